@@ -1,0 +1,1 @@
+//! pillar: CSI controller and node plugin.

@@ -1,0 +1,398 @@
+//! Desired state of an export and observed state of an nvmet configfs tree.
+//!
+//! The observed state is read from a configfs root given as a parameter: the kernel's
+//! `/sys/kernel/config/nvmet` or any directory laid out the same way (the test double). Names
+//! found in the tree are kept as raw strings, since a tree may hold subsystems pillar did not
+//! create; only desired state is typed.
+//!
+//! Symlinks are compared by their resolved target, never by the raw `readlink` text: configfs
+//! returns relative `../../..` paths.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Component, Path, PathBuf};
+
+use uuid::Uuid;
+
+use crate::identity::{NamespaceIdentity, Nguid, Serial, parse_uuid};
+use crate::names::{HostNqn, NamespaceId, PortId, SubsystemNqn};
+
+/// Top-level directories of the nvmet configfs tree.
+pub const SUBSYSTEMS: &str = "subsystems";
+pub const PORTS: &str = "ports";
+pub const HOSTS: &str = "hosts";
+
+/// The NVMe-oF transport of a port. pillar only speaks TCP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Transport {
+    Tcp,
+}
+
+impl Transport {
+    /// The value of `addr_trtype`.
+    pub const fn as_configfs(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+        }
+    }
+}
+
+/// A port as pillar wants it: transport plus listen address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PortSpec {
+    pub transport: Transport,
+    pub address: SocketAddr,
+}
+
+impl PortSpec {
+    /// A TCP port listening on `address`.
+    pub const fn tcp(address: SocketAddr) -> Self {
+        Self {
+            transport: Transport::Tcp,
+            address,
+        }
+    }
+
+    /// The `addr_*` attributes of this port, in the order they are written.
+    pub fn attributes(&self) -> [(&'static str, String); 4] {
+        let family = match self.address.ip() {
+            IpAddr::V4(_) => "ipv4",
+            IpAddr::V6(_) => "ipv6",
+        };
+        [
+            ("addr_trtype", self.transport.as_configfs().to_owned()),
+            ("addr_adrfam", family.to_owned()),
+            ("addr_traddr", self.address.ip().to_string()),
+            ("addr_trsvcid", self.address.port().to_string()),
+        ]
+    }
+}
+
+/// Which hosts may connect to a subsystem.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostAccess {
+    /// `attr_allow_any_host=1`: any host that reaches the port (PillarProtocol `acl: false`).
+    AnyHost,
+    /// `attr_allow_any_host=0` and exactly these hosts linked in `allowed_hosts/`. An empty set
+    /// admits nobody (exported, not granted).
+    Only(BTreeSet<HostNqn>),
+}
+
+/// One namespace as pillar wants it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamespaceSpec {
+    pub device_path: PathBuf,
+    pub identity: NamespaceIdentity,
+}
+
+/// The complete desired state of one export: a subsystem, its namespaces, its ACL and the ports
+/// it is reachable on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportSpec {
+    pub nqn: SubsystemNqn,
+    pub serial: Serial,
+    pub namespaces: BTreeMap<NamespaceId, NamespaceSpec>,
+    pub access: HostAccess,
+    pub ports: BTreeMap<PortId, PortSpec>,
+}
+
+/// An observed namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NamespaceState {
+    pub device_path: Option<PathBuf>,
+    pub uuid: Option<Uuid>,
+    pub nguid: Option<Nguid>,
+    pub enabled: bool,
+}
+
+impl NamespaceState {
+    /// The identity the namespace shows, when both parts are set (a zero NGUID means unset).
+    pub fn identity(&self) -> Option<NamespaceIdentity> {
+        match (self.uuid, self.nguid) {
+            (Some(uuid), Some(nguid)) if !nguid.is_zero() && !uuid.is_nil() => {
+                Some(NamespaceIdentity { uuid, nguid })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// An observed subsystem.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SubsystemState {
+    pub allow_any_host: bool,
+    pub serial: String,
+    pub allowed_hosts: BTreeSet<String>,
+    pub namespaces: BTreeMap<NamespaceId, NamespaceState>,
+}
+
+/// An observed port.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PortState {
+    pub trtype: String,
+    pub adrfam: String,
+    pub traddr: String,
+    pub trsvcid: String,
+    pub subsystems: BTreeSet<String>,
+    /// Entries under `referrals/`: a port with referrals is never removed.
+    pub referrals: usize,
+}
+
+impl PortState {
+    /// Whether the port's address attributes equal `spec`.
+    pub fn matches(&self, spec: &PortSpec) -> bool {
+        let [trtype, adrfam, traddr, trsvcid] = spec.attributes();
+        self.trtype == trtype.1
+            && self.adrfam == adrfam.1
+            && normalize_addr(&self.traddr) == normalize_addr(&traddr.1)
+            && self.trsvcid == trsvcid.1
+    }
+}
+
+fn normalize_addr(a: &str) -> String {
+    a.parse::<IpAddr>()
+        .map_or_else(|_| a.to_owned(), |ip| ip.to_string())
+}
+
+/// Everything found under an nvmet configfs root.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TargetState {
+    pub subsystems: BTreeMap<String, SubsystemState>,
+    pub ports: BTreeMap<PortId, PortState>,
+    pub hosts: BTreeSet<String>,
+}
+
+impl TargetState {
+    /// The subsystem named `nqn`, if present.
+    pub fn subsystem(&self, nqn: &SubsystemNqn) -> Option<&SubsystemState> {
+        self.subsystems.get(nqn.as_str())
+    }
+
+    /// Ports that link `nqn`.
+    pub fn ports_linking<'a>(&'a self, nqn: &'a str) -> impl Iterator<Item = PortId> + 'a {
+        self.ports
+            .iter()
+            .filter(move |(_, p)| p.subsystems.contains(nqn))
+            .map(|(id, _)| *id)
+    }
+
+    /// Whether any subsystem other than `except` lists `host` in `allowed_hosts`.
+    pub fn host_referenced_elsewhere(&self, host: &str, except: &str) -> bool {
+        self.subsystems
+            .iter()
+            .any(|(name, s)| name != except && s.allowed_hosts.contains(host))
+    }
+}
+
+/// Why the configfs tree could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ObserveError {
+    #[error("cannot list {path}")]
+    ListDir { path: PathBuf, source: io::Error },
+    #[error("cannot read attribute {path}")]
+    ReadAttribute { path: PathBuf, source: io::Error },
+    #[error("cannot read symlink {path}")]
+    ReadLink { path: PathBuf, source: io::Error },
+    #[error("symlink {path} points to {target}, outside the expected {expected}/ directory")]
+    LinkTarget {
+        path: PathBuf,
+        target: PathBuf,
+        expected: &'static str,
+    },
+    #[error("attribute {path} holds {value:?}, which is not a valid {what}")]
+    BadValue {
+        path: PathBuf,
+        value: String,
+        what: &'static str,
+    },
+    #[error("unexpected entry {path} in the nvmet tree")]
+    UnexpectedEntry { path: PathBuf },
+}
+
+/// Reads the whole nvmet tree under `root` (for the kernel: `/sys/kernel/config/nvmet`).
+pub fn observe(root: &Path) -> Result<TargetState, ObserveError> {
+    let mut state = TargetState::default();
+    for name in list_dir(&root.join(HOSTS))? {
+        state.hosts.insert(name);
+    }
+    for name in list_dir(&root.join(SUBSYSTEMS))? {
+        let dir = root.join(SUBSYSTEMS).join(&name);
+        state
+            .subsystems
+            .insert(name, observe_subsystem(root, &dir)?);
+    }
+    for name in list_dir(&root.join(PORTS))? {
+        let dir = root.join(PORTS).join(&name);
+        let id = PortId::parse(&name)
+            .map_err(|_| ObserveError::UnexpectedEntry { path: dir.clone() })?;
+        state.ports.insert(id, observe_port(root, &dir)?);
+    }
+    Ok(state)
+}
+
+fn observe_subsystem(root: &Path, dir: &Path) -> Result<SubsystemState, ObserveError> {
+    let allow = read_attr(&dir.join("attr_allow_any_host"))?;
+    let mut sub = SubsystemState {
+        allow_any_host: parse_bool(&dir.join("attr_allow_any_host"), &allow)?,
+        // The kernel pads a short serial with spaces to 20 characters.
+        serial: read_attr(&dir.join("attr_serial"))?
+            .trim_end_matches(' ')
+            .to_owned(),
+        ..SubsystemState::default()
+    };
+    let hosts_dir = dir.join("allowed_hosts");
+    for name in list_dir(&hosts_dir)? {
+        let link = hosts_dir.join(&name);
+        sub.allowed_hosts
+            .insert(link_target_name(root, &link, HOSTS)?);
+    }
+    let ns_dir = dir.join("namespaces");
+    for name in list_dir(&ns_dir)? {
+        let path = ns_dir.join(&name);
+        let nsid = NamespaceId::parse(&name)
+            .map_err(|_| ObserveError::UnexpectedEntry { path: path.clone() })?;
+        sub.namespaces.insert(nsid, observe_namespace(&path)?);
+    }
+    Ok(sub)
+}
+
+fn observe_namespace(dir: &Path) -> Result<NamespaceState, ObserveError> {
+    let device_path = read_attr(&dir.join("device_path"))?;
+    let uuid_path = dir.join("device_uuid");
+    let uuid = read_attr(&uuid_path)?;
+    let nguid_path = dir.join("device_nguid");
+    let nguid = read_attr(&nguid_path)?;
+    let enable_path = dir.join("enable");
+    let enable = read_attr(&enable_path)?;
+    let bad = |path: &Path, value: &str, what| ObserveError::BadValue {
+        path: path.to_owned(),
+        value: value.to_owned(),
+        what,
+    };
+    Ok(NamespaceState {
+        // An unset device_path reads "(null)" on the kernel (sprintf of a NULL string).
+        device_path: (!device_path.is_empty() && device_path != "(null)")
+            .then(|| PathBuf::from(device_path)),
+        uuid: if uuid.is_empty() {
+            None
+        } else {
+            Some(parse_uuid(&uuid).map_err(|_| bad(&uuid_path, &uuid, "UUID"))?)
+        },
+        nguid: if nguid.is_empty() {
+            None
+        } else {
+            Some(Nguid::parse(&nguid).map_err(|_| bad(&nguid_path, &nguid, "NGUID"))?)
+        },
+        enabled: parse_bool(&enable_path, &enable)?,
+    })
+}
+
+fn observe_port(root: &Path, dir: &Path) -> Result<PortState, ObserveError> {
+    let mut port = PortState {
+        trtype: read_attr(&dir.join("addr_trtype"))?,
+        adrfam: read_attr(&dir.join("addr_adrfam"))?,
+        traddr: read_attr(&dir.join("addr_traddr"))?,
+        trsvcid: read_attr(&dir.join("addr_trsvcid"))?,
+        ..PortState::default()
+    };
+    let subs_dir = dir.join("subsystems");
+    for name in list_dir(&subs_dir)? {
+        let link = subs_dir.join(&name);
+        port.subsystems
+            .insert(link_target_name(root, &link, SUBSYSTEMS)?);
+    }
+    port.referrals = list_dir(&dir.join("referrals"))
+        .map(|r| r.len())
+        .unwrap_or(0);
+    Ok(port)
+}
+
+fn list_dir(path: &Path) -> Result<Vec<String>, ObserveError> {
+    let list_err = |source| ObserveError::ListDir {
+        path: path.to_owned(),
+        source,
+    };
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(path).map_err(list_err)? {
+        let entry = entry.map_err(list_err)?;
+        let name = entry.file_name();
+        let name = name
+            .to_str()
+            .ok_or_else(|| ObserveError::UnexpectedEntry { path: entry.path() })?;
+        names.push(name.to_owned());
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Reads an attribute, without the trailing newline configfs adds.
+pub fn read_attr(path: &Path) -> Result<String, ObserveError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ObserveError::ReadAttribute {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(text.trim_end_matches(['\n', '\0']).to_owned())
+}
+
+fn parse_bool(path: &Path, value: &str) -> Result<bool, ObserveError> {
+    match value {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(ObserveError::BadValue {
+            path: path.to_owned(),
+            value: value.to_owned(),
+            what: "0/1 flag",
+        }),
+    }
+}
+
+/// Resolves the configfs symlink `link` and returns the name of the entry it points to under
+/// `<root>/<expected>/`. `readlink` gives a relative path; resolve it lexically against the
+/// link's directory (configfs has no symlinked directories, so this equals the kernel's view).
+fn link_target_name(
+    root: &Path,
+    link: &Path,
+    expected: &'static str,
+) -> Result<String, ObserveError> {
+    let raw = std::fs::read_link(link).map_err(|source| ObserveError::ReadLink {
+        path: link.to_owned(),
+        source,
+    })?;
+    let joined = if raw.is_absolute() {
+        raw.clone()
+    } else {
+        link.parent().unwrap_or(Path::new("/")).join(&raw)
+    };
+    let resolved = normalize(&joined);
+    let outside = || ObserveError::LinkTarget {
+        path: link.to_owned(),
+        target: raw.clone(),
+        expected,
+    };
+    let rel = resolved
+        .strip_prefix(normalize(&root.join(expected)))
+        .map_err(|_| outside())?;
+    let mut parts = rel.components();
+    match (parts.next(), parts.next()) {
+        (Some(Component::Normal(name)), None) => {
+            name.to_str().map(str::to_owned).ok_or_else(outside)
+        }
+        _ => Err(outside()),
+    }
+}
+
+/// Lexical normalisation: drops `.` and folds `..` (no filesystem access).
+pub fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}

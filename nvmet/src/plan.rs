@@ -1,0 +1,471 @@
+//! The planner: turns the difference between desired and observed state into an ordered list of
+//! primitive configfs operations.
+//!
+//! A plan is data (paths relative to the nvmet root), so an executor can run it synchronously or
+//! submit it to io_uring in batches. Every plan obeys the kernel's rules (FACTS.md):
+//! - identity (`attr_serial`, `device_uuid`, `device_nguid`) and `device_path` are written before
+//!   a namespace is enabled, and before the subsystem is first linked to a port;
+//! - the identity of an enabled namespace and the serial of a port-linked subsystem are never
+//!   rewritten: a live export with other identity is adopted, and the plan says so;
+//! - port attributes are written only on a port the plan creates (ports are shared);
+//! - ACL mode changes in the legal order: `allow_any_host=0` before linking hosts, hosts unlinked
+//!   before `allow_any_host=1`;
+//! - removal runs in reverse: unlink from ports, disable and remove namespaces, unlink hosts,
+//!   remove the subsystem, then hosts no subsystem references and ports left empty;
+//! - a namespace grows through `revalidate_size`, never disable/enable.
+//!
+//! Only subsystems with pillar's NQN prefix are ever planned for.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::identity::NamespaceIdentity;
+use crate::model::{ExportSpec, HOSTS, HostAccess, PORTS, PortState, SUBSYSTEMS, TargetState};
+use crate::names::{NamespaceId, PortId, SubsystemNqn};
+
+/// One primitive configfs operation. Paths are relative to the nvmet root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    Mkdir {
+        path: PathBuf,
+    },
+    /// Write `value` to an existing attribute file (no create, no truncate: configfs semantics).
+    Write {
+        path: PathBuf,
+        value: String,
+    },
+    /// Create `link` pointing at the item `target`.
+    Symlink {
+        target: PathBuf,
+        link: PathBuf,
+    },
+    Unlink {
+        path: PathBuf,
+    },
+    Rmdir {
+        path: PathBuf,
+    },
+}
+
+impl Op {
+    /// The path the operation acts on.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::Mkdir { path }
+            | Self::Write { path, .. }
+            | Self::Unlink { path }
+            | Self::Rmdir { path } => path,
+            Self::Symlink { link, .. } => link,
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Mkdir { path } => write!(f, "mkdir {}", path.display()),
+            Self::Write { path, value } => write!(f, "write {}={value:?}", path.display()),
+            Self::Symlink { target, link } => {
+                write!(f, "symlink {} -> {}", link.display(), target.display())
+            }
+            Self::Unlink { path } => write!(f, "unlink {}", path.display()),
+            Self::Rmdir { path } => write!(f, "rmdir {}", path.display()),
+        }
+    }
+}
+
+/// A live identity the planner kept instead of the desired one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// An enabled namespace shows another UUID/NGUID: kept (hosts cached it).
+    Namespace {
+        nsid: NamespaceId,
+        live: NamespaceIdentity,
+        desired: NamespaceIdentity,
+    },
+    /// A port-linked subsystem shows another serial: kept (hosts may have discovered it).
+    Serial { live: String, desired: String },
+}
+
+/// The plan for one export, with what it adopted and the state it converges to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportPlan {
+    pub ops: Vec<Op>,
+    pub adoptions: Vec<Adoption>,
+    /// The desired state with adopted identities substituted: what the read-back must find.
+    pub effective: ExportSpec,
+}
+
+/// Why no safe plan exists.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("subsystem {nqn} was not created by pillar; refusing to change it")]
+    ForeignSubsystem { nqn: String },
+    #[error(
+        "namespace {nsid} of {nqn} is enabled on device {live}, not {desired}; changing the device \
+         of a live namespace would swap data under connected hosts"
+    )]
+    LiveDeviceConflict {
+        nqn: String,
+        nsid: NamespaceId,
+        live: String,
+        desired: String,
+    },
+    #[error(
+        "port {port} exists as {found}, not {wanted}; ports are shared and their address is \
+         never rewritten"
+    )]
+    PortConflict {
+        port: PortId,
+        found: String,
+        wanted: String,
+    },
+    #[error("namespace {nsid} of {nqn} is not enabled; it cannot be resized")]
+    NotEnabled { nqn: String, nsid: NamespaceId },
+    #[error("subsystem {nqn} has no namespace {nsid}")]
+    NoNamespace { nqn: String, nsid: NamespaceId },
+    #[error("subsystem {nqn} does not exist")]
+    NoSubsystem { nqn: String },
+}
+
+fn subsys_dir(nqn: &str) -> PathBuf {
+    Path::new(SUBSYSTEMS).join(nqn)
+}
+
+fn ns_dir(nqn: &str, nsid: NamespaceId) -> PathBuf {
+    subsys_dir(nqn).join("namespaces").join(nsid.to_string())
+}
+
+fn port_dir(port: PortId) -> PathBuf {
+    Path::new(PORTS).join(port.to_string())
+}
+
+fn write(path: PathBuf, value: impl Into<String>) -> Op {
+    Op::Write {
+        path,
+        value: value.into(),
+    }
+}
+
+fn describe_port(p: &PortState) -> String {
+    format!("{}/{} {}:{}", p.trtype, p.adrfam, p.traddr, p.trsvcid)
+}
+
+/// Plans the changes that make `observed` hold `spec` (creating, repairing or updating it).
+pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPlan, PlanError> {
+    let nqn = spec.nqn.as_str();
+    if !spec.nqn.is_pillar() {
+        return Err(PlanError::ForeignSubsystem {
+            nqn: nqn.to_owned(),
+        });
+    }
+    let mut ops = Vec::new();
+    let mut adoptions = Vec::new();
+    let mut effective = spec.clone();
+    let sdir = subsys_dir(nqn);
+    let existing = observed.subsystem(&spec.nqn);
+    let empty = Default::default();
+    let current = existing.unwrap_or(&empty);
+    let linked_ports: BTreeSet<PortId> = observed.ports_linking(nqn).collect();
+
+    // 1. The subsystem and its serial, before any port link.
+    if existing.is_none() {
+        ops.push(Op::Mkdir { path: sdir.clone() });
+    }
+    if current.serial != spec.serial.as_str() {
+        if existing.is_some() && !linked_ports.is_empty() {
+            adoptions.push(Adoption::Serial {
+                live: current.serial.clone(),
+                desired: spec.serial.to_string(),
+            });
+            effective.serial = crate::identity::Serial::parse(&current.serial)
+                .unwrap_or_else(|_| spec.serial.clone());
+        } else {
+            ops.push(write(sdir.join("attr_serial"), spec.serial.as_str()));
+        }
+    }
+
+    // 2. Host access, in the order the kernel accepts.
+    let host_ops = plan_access(
+        observed,
+        nqn,
+        current.allow_any_host,
+        &current.allowed_hosts,
+        &spec.access,
+    );
+    ops.extend(host_ops);
+
+    // 3. Namespaces: configure fully, then enable; never touch a live one's identity or device.
+    for (nsid, want) in &spec.namespaces {
+        let dir = ns_dir(nqn, *nsid);
+        match current.namespaces.get(nsid) {
+            Some(live) if live.enabled => {
+                let live_path = live.device_path.clone().unwrap_or_default();
+                if live_path != want.device_path {
+                    return Err(PlanError::LiveDeviceConflict {
+                        nqn: nqn.to_owned(),
+                        nsid: *nsid,
+                        live: live_path.display().to_string(),
+                        desired: want.device_path.display().to_string(),
+                    });
+                }
+                if let Some(live_id) = live.identity().filter(|id| *id != want.identity) {
+                    adoptions.push(Adoption::Namespace {
+                        nsid: *nsid,
+                        live: live_id,
+                        desired: want.identity,
+                    });
+                    if let Some(ns) = effective.namespaces.get_mut(nsid) {
+                        ns.identity = live_id;
+                    }
+                }
+            }
+            found => {
+                if found.is_none() {
+                    ops.push(Op::Mkdir { path: dir.clone() });
+                }
+                let found = found.cloned().unwrap_or_default();
+                if found.device_path.as_deref() != Some(want.device_path.as_path()) {
+                    ops.push(write(
+                        dir.join("device_path"),
+                        want.device_path.display().to_string(),
+                    ));
+                }
+                if found.uuid != Some(want.identity.uuid) {
+                    ops.push(write(
+                        dir.join("device_uuid"),
+                        want.identity.uuid.hyphenated().to_string(),
+                    ));
+                }
+                if found.nguid != Some(want.identity.nguid) {
+                    ops.push(write(
+                        dir.join("device_nguid"),
+                        want.identity.nguid.to_string(),
+                    ));
+                }
+                ops.push(write(dir.join("enable"), "1"));
+            }
+        }
+    }
+    for (nsid, live) in &current.namespaces {
+        if !spec.namespaces.contains_key(nsid) {
+            let dir = ns_dir(nqn, *nsid);
+            if live.enabled {
+                ops.push(write(dir.join("enable"), "0"));
+            }
+            ops.push(Op::Rmdir { path: dir });
+        }
+    }
+
+    // 4. Ports last: the subsystem becomes reachable only once fully configured.
+    for (port, want) in &spec.ports {
+        let pdir = port_dir(*port);
+        match observed.ports.get(port) {
+            Some(found) if !found.matches(want) => {
+                let wanted = want.attributes().map(|(_, v)| v);
+                return Err(PlanError::PortConflict {
+                    port: *port,
+                    found: describe_port(found),
+                    wanted: format!("{}/{} {}:{}", wanted[0], wanted[1], wanted[2], wanted[3]),
+                });
+            }
+            Some(_) => {}
+            None => {
+                ops.push(Op::Mkdir { path: pdir.clone() });
+                for (attr, value) in want.attributes() {
+                    ops.push(write(pdir.join(attr), value));
+                }
+            }
+        }
+        if !linked_ports.contains(port) {
+            ops.push(Op::Symlink {
+                target: sdir.clone(),
+                link: pdir.join(SUBSYSTEMS).join(nqn),
+            });
+        }
+    }
+    for port in &linked_ports {
+        if !spec.ports.contains_key(port) {
+            ops.push(Op::Unlink {
+                path: port_dir(*port).join(SUBSYSTEMS).join(nqn),
+            });
+            push_port_cleanup(observed, *port, nqn, &mut ops);
+        }
+    }
+    // Hosts this plan unlinked and nobody else references.
+    for host in &current.allowed_hosts {
+        let still_wanted =
+            matches!(&spec.access, HostAccess::Only(h) if h.iter().any(|x| x.as_str() == host));
+        if !still_wanted && !observed.host_referenced_elsewhere(host, nqn) {
+            ops.push(Op::Rmdir {
+                path: Path::new(HOSTS).join(host),
+            });
+        }
+    }
+    Ok(ExportPlan {
+        ops,
+        adoptions,
+        effective,
+    })
+}
+
+fn plan_access(
+    observed: &TargetState,
+    nqn: &str,
+    allow_any: bool,
+    linked: &BTreeSet<String>,
+    want: &HostAccess,
+) -> Vec<Op> {
+    let sdir = subsys_dir(nqn);
+    let mut ops = Vec::new();
+    match want {
+        HostAccess::AnyHost => {
+            for host in linked {
+                ops.push(Op::Unlink {
+                    path: sdir.join("allowed_hosts").join(host),
+                });
+            }
+            if !allow_any {
+                ops.push(write(sdir.join("attr_allow_any_host"), "1"));
+            }
+        }
+        HostAccess::Only(hosts) => {
+            if allow_any {
+                ops.push(write(sdir.join("attr_allow_any_host"), "0"));
+            }
+            for host in hosts.iter().map(|h| h.as_str()) {
+                if linked.contains(host) {
+                    continue;
+                }
+                let hdir = Path::new(HOSTS).join(host);
+                if !observed.hosts.contains(host) {
+                    ops.push(Op::Mkdir { path: hdir.clone() });
+                }
+                ops.push(Op::Symlink {
+                    target: hdir,
+                    link: sdir.join("allowed_hosts").join(host),
+                });
+            }
+            for host in linked {
+                if !hosts.iter().any(|h| h.as_str() == host) {
+                    ops.push(Op::Unlink {
+                        path: sdir.join("allowed_hosts").join(host),
+                    });
+                }
+            }
+        }
+    }
+    ops
+}
+
+/// Removes the port after `nqn` is unlinked from it, if nothing else uses it.
+fn push_port_cleanup(observed: &TargetState, port: PortId, nqn: &str, ops: &mut Vec<Op>) {
+    if let Some(p) = observed.ports.get(&port) {
+        let others = p.subsystems.iter().any(|s| s != nqn);
+        if !others && p.referrals == 0 {
+            ops.push(Op::Rmdir {
+                path: port_dir(port),
+            });
+        }
+    }
+}
+
+/// Plans the complete removal of subsystem `nqn`, in reverse order of creation. Empty when the
+/// subsystem is already gone.
+pub fn plan_unexport(observed: &TargetState, nqn: &SubsystemNqn) -> Result<Vec<Op>, PlanError> {
+    if !nqn.is_pillar() {
+        return Err(PlanError::ForeignSubsystem {
+            nqn: nqn.to_string(),
+        });
+    }
+    let name = nqn.as_str();
+    let mut ops = Vec::new();
+    let ports: Vec<PortId> = observed.ports_linking(name).collect();
+    for port in &ports {
+        ops.push(Op::Unlink {
+            path: port_dir(*port).join(SUBSYSTEMS).join(name),
+        });
+    }
+    let Some(current) = observed.subsystem(nqn) else {
+        for port in &ports {
+            push_port_cleanup(observed, *port, name, &mut ops);
+        }
+        return Ok(ops);
+    };
+    let sdir = subsys_dir(name);
+    for (nsid, ns) in &current.namespaces {
+        let dir = ns_dir(name, *nsid);
+        if ns.enabled {
+            ops.push(write(dir.join("enable"), "0"));
+        }
+        ops.push(Op::Rmdir { path: dir });
+    }
+    for host in &current.allowed_hosts {
+        ops.push(Op::Unlink {
+            path: sdir.join("allowed_hosts").join(host),
+        });
+    }
+    ops.push(Op::Rmdir { path: sdir });
+    for host in &current.allowed_hosts {
+        if !observed.host_referenced_elsewhere(host, name) {
+            ops.push(Op::Rmdir {
+                path: Path::new(HOSTS).join(host),
+            });
+        }
+    }
+    for port in &ports {
+        push_port_cleanup(observed, *port, name, &mut ops);
+    }
+    Ok(ops)
+}
+
+/// Plans the growth of a live namespace after its device grew: one `revalidate_size` write.
+pub fn plan_revalidate(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    nsid: NamespaceId,
+) -> Result<Vec<Op>, PlanError> {
+    let sub = observed
+        .subsystem(nqn)
+        .ok_or_else(|| PlanError::NoSubsystem {
+            nqn: nqn.to_string(),
+        })?;
+    let ns = sub
+        .namespaces
+        .get(&nsid)
+        .ok_or_else(|| PlanError::NoNamespace {
+            nqn: nqn.to_string(),
+            nsid,
+        })?;
+    if !ns.enabled {
+        return Err(PlanError::NotEnabled {
+            nqn: nqn.to_string(),
+            nsid,
+        });
+    }
+    Ok(vec![write(
+        ns_dir(nqn.as_str(), nsid).join("revalidate_size"),
+        "1",
+    )])
+}
+
+/// Plans a cut of every live connection to `nqn`: unlink it from each port and link it back.
+/// Unlinking deletes the subsystem's controllers on that port; hosts still allowed reconnect by
+/// themselves, hosts no longer allowed are refused (removing a host from `allowed_hosts` alone
+/// leaves its live controllers working).
+pub fn plan_cut_connections(observed: &TargetState, nqn: &SubsystemNqn) -> Vec<Op> {
+    let name = nqn.as_str();
+    let ports: Vec<PortId> = observed.ports_linking(name).collect();
+    let mut ops: Vec<Op> = ports
+        .iter()
+        .map(|p| Op::Unlink {
+            path: port_dir(*p).join(SUBSYSTEMS).join(name),
+        })
+        .collect();
+    ops.extend(ports.iter().map(|p| Op::Symlink {
+        target: subsys_dir(name),
+        link: port_dir(*p).join(SUBSYSTEMS).join(name),
+    }));
+    ops
+}

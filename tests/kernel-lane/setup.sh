@@ -1,0 +1,278 @@
+#!/usr/bin/env bash
+# Prepare the real-kernel test lane: host packages, two Debian kernels, their initramfs.
+#
+#   tests/kernel-lane/setup.sh
+#
+# Kernels (never installed on the host: apt-get download + dpkg -x + depmod -b):
+#   bookworm  linux-image-amd64 from the machine's own apt sources (Debian 12, 6.1)
+#   sid       linux-image-amd64 from Debian sid, through a private apt state folder
+# Idempotent: with everything present a run only re-resolves the versions (a few seconds).
+#
+# Env:
+#   KERNEL_LANE_KERNELS   labels to prepare (default "bookworm sid")
+#   SID_LISTS_MAX_AGE_H   refresh the private sid package lists when older (default 24 hours)
+#   KERNEL_LANE_STATE     state folder (default <cargo target dir>/kernel-lane)
+set -euo pipefail
+
+LOG_TAG=setup
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils)
+DEBS_DIR=$LANE_STATE/debs
+SID_DIR=$LANE_STATE/apt-sid
+SID_LISTS_MAX_AGE_H=${SID_LISTS_MAX_AGE_H:-24}
+read -r -a LABELS <<<"${KERNEL_LANE_KERNELS:-bookworm sid}"
+
+export DEBIAN_FRONTEND=noninteractive
+
+# ---------------------------------------------------------------- host packages
+
+missing_host_packages() {
+  local pkg
+  for pkg in "${HOST_PACKAGES[@]}"; do
+    if [[ $(dpkg-query -W -f '${db:Status-Status}' "$pkg" 2>/dev/null) != installed ]]; then
+      printf '%s\n' "$pkg"
+    fi
+  done
+}
+
+install_host_packages() {
+  local missing
+  mapfile -t missing < <(missing_host_packages)
+  if ((${#missing[@]} == 0)); then
+    log "host packages: all present"
+    return 0
+  fi
+  log "host packages: installing ${missing[*]}"
+  if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >"$LANE_STATE/apt-install.log" 2>&1; then
+    log "apt-get install failed; running apt-get update and retrying"
+    apt-get update -q >>"$LANE_STATE/apt-install.log" 2>&1 || die "apt-get update failed (see $LANE_STATE/apt-install.log)"
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >>"$LANE_STATE/apt-install.log" 2>&1 ||
+      die "apt-get install failed (see $LANE_STATE/apt-install.log)"
+  fi
+  log "host packages: installed"
+}
+
+# ---------------------------------------------------------------- apt contexts
+# An apt "context" is an array of extra options: for the machine's own apt only a package
+# cache file of the lane's own (apt-cache then answers in milliseconds instead of rebuilding
+# its cache from the lists on every call), for sid the whole private state.
+
+APT_MACHINE=(
+  -o "Dir::Cache::pkgcache=$LANE_STATE/apt-machine/pkgcache.bin"
+  -o "Dir::Cache::srcpkgcache=$LANE_STATE/apt-machine/srcpkgcache.bin"
+)
+APT_SID=(
+  -o "Dir::Etc::SourceList=$SID_DIR/sources.list"
+  -o "Dir::Etc::SourceParts=-"
+  -o "Dir::State::Lists=$SID_DIR/lists"
+  -o "Dir::Cache=$SID_DIR/cache"
+  -o "Dir::Cache::pkgcache=pkgcache.bin"
+  -o "Dir::Cache::srcpkgcache=srcpkgcache.bin"
+)
+
+# The Debian archive URI the machine's apt already uses (deb822 or one-line format).
+machine_debian_uri() {
+  local uri=""
+  if [[ -r /etc/apt/sources.list.d/debian.sources ]]; then
+    uri=$(awk '/^URIs:/ && $2 !~ /-security/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources)
+  fi
+  if [[ -z $uri && -r /etc/apt/sources.list ]]; then
+    uri=$(awk '$1 == "deb" && $0 !~ /-security/ { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' /etc/apt/sources.list)
+  fi
+  [[ -n $uri ]] || die "cannot find the Debian archive URI in the machine's apt sources"
+  printf '%s\n' "$uri"
+}
+
+prepare_sid_state() {
+  local uri age_min=$((SID_LISTS_MAX_AGE_H * 60))
+  mkdir -p "$SID_DIR/lists/partial" "$SID_DIR/cache/archives/partial"
+  uri=$(machine_debian_uri)
+  printf 'deb %s sid main\n' "$uri" >"$SID_DIR/sources.list.new"
+  if cmp -s "$SID_DIR/sources.list.new" "$SID_DIR/sources.list"; then
+    rm "$SID_DIR/sources.list.new"
+  else
+    mv "$SID_DIR/sources.list.new" "$SID_DIR/sources.list"
+    rm -f "$SID_DIR/updated"
+  fi
+  if [[ ! -f $SID_DIR/updated ]] || [[ -n $(find "$SID_DIR/updated" -mmin +"$age_min") ]]; then
+    update_sid_lists
+  fi
+}
+
+update_sid_lists() {
+  log "sid: apt-get update (private state)"
+  apt-get "${APT_SID[@]}" update -q >"$SID_DIR/update.log" 2>&1 || die "sid apt-get update failed (see $SID_DIR/update.log)"
+  touch "$SID_DIR/updated"
+}
+
+update_lists() {  # update_lists CONTEXT
+  if [[ $1 == sid ]]; then
+    update_sid_lists
+  else
+    log "bookworm: apt-get update (machine's apt)"
+    apt-get update -q >"$LANE_STATE/apt-update.log" 2>&1 || die "apt-get update failed (see $LANE_STATE/apt-update.log)"
+  fi
+}
+
+apt_opts() {  # apt_opts CONTEXT -> sets the global APT_OPTS array
+  if [[ $1 == sid ]]; then APT_OPTS=("${APT_SID[@]}"); else APT_OPTS=("${APT_MACHINE[@]}"); fi
+}
+
+# resolve_image CONTEXT -> concrete linux-image-<kver> package behind linux-image-amd64
+resolve_image() {
+  local pkg=linux-image-amd64 dep
+  apt_opts "$1"
+  while dep=$(apt-cache "${APT_OPTS[@]}" depends "$pkg" 2>/dev/null |
+    awk '$1 == "Depends:" && $2 ~ /^linux-image-/ { print $2; exit }') && [[ -n $dep ]]; do
+    pkg=$dep
+  done
+  [[ $pkg != linux-image-amd64 ]] || return 1
+  printf '%s\n' "$pkg"
+}
+
+# kernel_parts CONTEXT IMAGE_PKG -> the image package plus, for split kernels (sid 7.x),
+# linux-{binary,modules,base}-<kver> it depends on.
+kernel_parts() {
+  local image=$2 kver=${2#linux-image-}
+  apt_opts "$1"
+  printf '%s\n' "$image"
+  apt-cache "${APT_OPTS[@]}" depends "$image" 2>/dev/null |
+    awk -v k="$kver" '$1 == "Depends:" && ($2 == "linux-binary-" k || $2 == "linux-modules-" k || $2 == "linux-base-" k) { print $2 }' |
+    sort -u
+}
+
+candidate_version() {  # candidate_version CONTEXT PKG
+  apt_opts "$1"
+  apt-cache "${APT_OPTS[@]}" policy "$2" 2>/dev/null | awk '$1 == "Candidate:" { print $2; exit }'
+}
+
+# deb_file PKG VERSION -> path of the downloaded .deb (apt encodes ':' in versions as %3a)
+deb_file() { printf '%s/%s_%s_amd64.deb\n' "$DEBS_DIR" "$1" "${2//:/%3a}"; }
+
+download_parts() {  # download_parts CONTEXT PKG...
+  local ctx=$1 pkg ver
+  shift
+  apt_opts "$ctx"
+  mkdir -p "$DEBS_DIR"
+  for pkg in "$@"; do
+    ver=$(candidate_version "$ctx" "$pkg")
+    [[ -n $ver && $ver != "(none)" ]] || return 1
+    [[ -f $(deb_file "$pkg" "$ver") ]] && continue
+    log "$ctx: downloading $pkg $ver"
+    (cd "$DEBS_DIR" && apt-get "${APT_OPTS[@]}" download -q "$pkg=$ver" >/dev/null 2>&1) || return 1
+  done
+}
+
+# ---------------------------------------------------------------- kernel trees
+
+# extract_vmlinux BZIMAGE OUT: decompress the payload of a bzImage to an ELF vmlinux
+# (PVH direct boot then skips the slow in-guest decompression under TCG).
+extract_vmlinux() {
+  local img=$1 out=$2 magic tool off
+  # compressed-stream magic (as a grep -P pattern) and the matching decompressor
+  local -a formats=(
+    '\x28\xb5\x2f\xfd|zstd -qdc'
+    '\xfd\x37\x7a\x58\x5a\x00|xz -qdc'
+    '\x1f\x8b\x08|gzip -qdc'
+  )
+  local fmt
+  for fmt in "${formats[@]}"; do
+    magic=${fmt%%|*}
+    tool=${fmt#*|}
+    while read -r off; do
+      # a stream followed by trailing data makes the tools complain; only an ELF result counts
+      tail -c +"$((off + 1))" "$img" | $tool >"$out.tmp" 2>/dev/null || true
+      if [[ $(head -c 4 "$out.tmp" | od -An -tx1 | tr -d ' \n') == 7f454c46 ]]; then
+        mv "$out.tmp" "$out"
+        return 0
+      fi
+    done < <(LC_ALL=C grep -obUaP "$magic" "$img" | cut -d: -f1 | head -n 5)
+  done
+  rm -f "$out.tmp"
+  return 1
+}
+
+find_bzimage() {  # find_bzimage ROOT KVER
+  local f
+  for f in "$1/boot/vmlinuz-$2" "$1/usr/lib/modules/$2/vmlinuz" "$1/lib/modules/$2/vmlinuz"; do
+    [[ -f $f ]] && { printf '%s\n' "$f"; return 0; }
+  done
+  return 1
+}
+
+# unpack_kernel CONTEXT KVER PKG...: dpkg -x all parts into one tree, depmod, vmlinux
+unpack_kernel() {
+  local ctx=$1 kver=$2 kdir root pkg bz
+  shift 2
+  kdir=$(kernel_dir "$kver")
+  root=$kdir/root
+  rm -rf "$kdir"
+  mkdir -p "$root"
+  for pkg in "$@"; do
+    dpkg -x "$(deb_file "$pkg" "$(candidate_version "$ctx" "$pkg")")" "$root"
+  done
+  # split (merged-/usr) packages ship /usr/lib/modules only: give depmod and the guest a lib/modules view
+  if [[ ! -e $root/lib && -d $root/usr/lib/modules ]]; then
+    ln -s usr/lib "$root/lib"
+  fi
+  [[ -d $root/lib/modules/$kver/kernel ]] || die "$kver: no modules in $*"
+  depmod -b "$root" "$kver"
+  bz=$(find_bzimage "$root" "$kver") || die "$kver: no vmlinuz in $*"
+  ln -s "${bz#"$kdir"/}" "$kdir/bzImage"
+  if extract_vmlinux "$bz" "$kdir/vmlinux"; then
+    log "$kver: extracted ELF vmlinux ($(du -m "$kdir/vmlinux" | cut -f1) MB)"
+  else
+    log "$kver: WARNING: no ELF vmlinux extracted; vm.sh will boot the bzImage (slower)"
+  fi
+  touch "$kdir/.ready"
+}
+
+# prepare_kernel LABEL: resolve, download, unpack, build the initrd, point the label at it
+prepare_kernel() {
+  local label=$1 ctx=$1 image kver parts attempt
+  case $label in
+    bookworm) ;;
+    sid) prepare_sid_state ;;
+    *) die "unknown kernel label '$label' (known: bookworm sid)" ;;
+  esac
+  for attempt in 1 2; do
+    if image=$(resolve_image "$ctx"); then
+      kver=${image#linux-image-}
+      mapfile -t parts < <(kernel_parts "$ctx" "$image")
+      if [[ -f $(kernel_dir "$kver")/.ready ]] || download_parts "$ctx" "${parts[@]}"; then
+        break
+      fi
+      log "$ctx: download of ${parts[*]} failed"
+    else
+      log "$ctx: linux-image-amd64 not resolvable from the current package lists"
+    fi
+    ((attempt == 1)) || die "$ctx: cannot get a kernel (even after apt-get update)"
+    update_lists "$ctx"
+  done
+  if [[ ! -f $(kernel_dir "$kver")/.ready ]]; then
+    log "$label: unpacking ${parts[*]}"
+    unpack_kernel "$ctx" "$kver" "${parts[@]}"
+  fi
+  build_initrd "$kver"
+  ln -sfn "$kver" "$KERNELS_DIR/$label"
+  RESOLVED+=("$label=$kver ($(candidate_version "$ctx" "$image"))")
+}
+
+main() {
+  mkdir -p "$LANE_STATE" "$KERNELS_DIR" "$LANE_STATE/share" "$LANE_STATE/logs" "$LANE_STATE/apt-machine"
+  log "lane state: $LANE_STATE"
+  install_host_packages
+  RESOLVED=()
+  local label
+  for label in "${LABELS[@]}"; do
+    prepare_kernel "$label"
+  done
+  for label in "${RESOLVED[@]}"; do
+    log "kernel $label"
+  done
+  log "done"
+}
+
+main "$@"

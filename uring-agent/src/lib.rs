@@ -1,0 +1,1 @@
+//! pillar: The fenced storage-node agent.
