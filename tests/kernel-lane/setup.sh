@@ -260,6 +260,31 @@ prepare_kernel() {
   RESOLVED+=("$label=$kver ($(candidate_version "$ctx" "$image"))")
 }
 
+# prune_stale: drop kernel trees and .debs that no label points at any more (after an update)
+prune_stale() {
+  local -a keep=()
+  local entry kver deb
+  for entry in "$KERNELS_DIR"/*; do
+    [[ -L $entry ]] && keep+=("$(basename "$(readlink "$entry")")")
+  done
+  ((${#keep[@]} > 0)) || return 0
+  for entry in "$KERNELS_DIR"/*; do
+    [[ -L $entry || ! -d $entry ]] && continue
+    if [[ " ${keep[*]} " != *" $(basename "$entry") "* ]]; then
+      log "removing stale kernel $(basename "$entry")"
+      rm -rf "$entry"
+    fi
+  done
+  for deb in "$DEBS_DIR"/*.deb; do
+    [[ -e $deb ]] || continue
+    for kver in "${keep[@]}"; do
+      [[ $(basename "$deb") == *"-${kver}_"* ]] && continue 2
+    done
+    log "removing stale $(basename "$deb")"
+    rm -f "$deb"
+  done
+}
+
 main() {
   mkdir -p "$LANE_STATE" "$KERNELS_DIR" "$LANE_STATE/share" "$LANE_STATE/logs" "$LANE_STATE/apt-machine"
   log "lane state: $LANE_STATE"
@@ -269,6 +294,7 @@ main() {
   for label in "${LABELS[@]}"; do
     prepare_kernel "$label"
   done
+  prune_stale
   for label in "${RESOLVED[@]}"; do
     log "kernel $label"
   done

@@ -36,10 +36,10 @@ FAILED=0
 LOOP_DEV=""
 T0=$EPOCHREALTIME
 
-pass() { echo "PASS: $*"; PASSED=$((PASSED + 1)); }
-fail() { echo "FAIL: $*"; FAILED=$((FAILED + 1)); }
-info() { echo "INFO: $*"; }
 secs() { local d=$((${EPOCHREALTIME/./} - ${1/./})); printf '%d.%02d' $((d / 1000000)) $(((d / 10000) % 100)); }
+pass() { echo "PASS: $* [+$(secs "$T0")s]"; PASSED=$((PASSED + 1)); }
+fail() { echo "FAIL: $* [+$(secs "$T0")s]"; FAILED=$((FAILED + 1)); }
+info() { echo "INFO: $*"; }
 
 # check DESCRIPTION COMMAND...: PASS/FAIL on the command's status; returns that status
 check() {
