@@ -1,0 +1,75 @@
+//! pillar: NVMe/TCP host and filesystem operations on a node.
+//!
+//! The CSI node service builds on this crate; it holds no gRPC and no policy of its own.
+//!
+//! - [`fabrics`]: connect to an NVMe/TCP subsystem by writing one options line to
+//!   `/dev/nvme-fabrics`.
+//! - [`sysfs`]: find the controllers and namespace block devices of a subsystem, verify a
+//!   namespace's identity (rule N1), disconnect exactly one subsystem's controllers (rule N4).
+//! - [`fs`]: probe, format only blank devices (rule N3), mount, bind-mount, unmount, grow, stats.
+//! - [`stage`]: durable, atomically replaced stage records (rules N2, C4).
+//!
+//! Every function takes its roots ([`HostPaths`], a state directory) explicitly: tests point them
+//! at temporary trees, production passes [`HostPaths::system`]. Nothing reads the environment to
+//! change a path.
+//!
+//! All calls block (syscalls, sysfs reads, child processes, sleeps while polling). An async caller
+//! runs them on a blocking thread (`tokio::task::spawn_blocking`).
+
+pub mod error;
+pub mod fabrics;
+pub mod fs;
+pub mod mountinfo;
+pub mod stage;
+pub mod sysfs;
+
+mod exec;
+mod sys;
+
+#[cfg(any(test, feature = "test-support"))]
+pub mod fake;
+
+use std::path::{Path, PathBuf};
+
+pub use error::{ErrorClass, HostError, StageRecordError};
+pub use fabrics::{ConnectOptions, Controller, connect};
+pub use fs::{
+    Formatted, FsType, Probe, Signature, VolumeStats, bind_mount, block_device_size,
+    format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank, unmount,
+    volume_stats,
+};
+pub use stage::{StageMode, StagePhase, StageRecord, StageStore};
+pub use sysfs::{
+    ControllerInfo, ControllerState, NamespaceDevice, NamespaceParent, controller_live,
+    controllers_for, disconnect_subsystem, namespaces_for, namespaces_for_host, rescan_controller,
+    verify_identity, wait_for_namespace,
+};
+
+/// The roots under which the kernel's device nodes and sysfs live.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostPaths {
+    /// Where device nodes live (`/dev`): `nvme-fabrics`, `nvme0n1`, ...
+    pub dev: PathBuf,
+    /// Where sysfs is mounted (`/sys`).
+    pub sys: PathBuf,
+}
+
+impl HostPaths {
+    /// The running system's `/dev` and `/sys`.
+    pub fn system() -> Self {
+        Self {
+            dev: PathBuf::from("/dev"),
+            sys: PathBuf::from("/sys"),
+        }
+    }
+
+    /// Roots under `root`: `<root>/dev` and `<root>/sys` (for tests and fakes).
+    pub fn under(root: &Path) -> Self {
+        Self {
+            dev: root.join("dev"),
+            sys: root.join("sys"),
+        }
+    }
+}
+
+pub type Result<T, E = HostError> = std::result::Result<T, E>;

@@ -1,0 +1,239 @@
+//! The agent's I/O engines: durable small-file replacement (fencing marks, identity records)
+//! and configfs plans.
+//!
+//! Two engines pass the same test suite:
+//! - [`uring::UringEngine`]: one io_uring fed by every concurrent request. A durable replace is
+//!   one linked chain (open, write, fsync, close, rename, fsync of the directory); concurrent
+//!   replaces in one directory share a submission and one directory fsync (group commit).
+//!   configfs plans go in as linked chains, one submission per plan.
+//! - [`sync::SyncEngine`]: plain blocking syscalls on tokio's blocking pool, for hosts where
+//!   io_uring is disabled or blocked by a seccomp profile.
+//!
+//! Invariants both keep:
+//! - A replace either leaves the old file or installs the complete new one (rename is atomic);
+//!   success is reported only after the directory fsync, so a reported success survives a crash.
+//! - A configfs plan stops at the first failed operation; later operations never run.
+
+pub mod sync;
+pub mod uring;
+
+use std::ffi::CString;
+use std::fmt;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use pillar_nvmet::{ApplyError, Op};
+
+/// The steps of a durable replace, in order. Named in errors and used for fault injection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DurableStep {
+    Open,
+    Write,
+    Fsync,
+    Close,
+    Rename,
+    Unlink,
+    FsyncDir,
+}
+
+impl DurableStep {
+    /// Every step of a replace, in chain order.
+    pub const REPLACE: [Self; 6] = [
+        Self::Open,
+        Self::Write,
+        Self::Fsync,
+        Self::Close,
+        Self::Rename,
+        Self::FsyncDir,
+    ];
+}
+
+impl fmt::Display for DurableStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Open => "open temp file",
+            Self::Write => "write temp file",
+            Self::Fsync => "fsync temp file",
+            Self::Close => "close temp file",
+            Self::Rename => "rename over the old file",
+            Self::Unlink => "unlink",
+            Self::FsyncDir => "fsync directory",
+        })
+    }
+}
+
+/// Why an engine operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{step} for {path} failed")]
+    Step {
+        step: DurableStep,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("cannot open directory {path}")]
+    OpenDir { path: PathBuf, source: io::Error },
+    #[error("path {path} contains a NUL byte")]
+    NulInPath { path: PathBuf },
+    #[error("io_uring is unavailable: {reason}")]
+    Unavailable { reason: String },
+    #[error("the io_uring engine thread has stopped")]
+    Stopped,
+    #[error(transparent)]
+    Configfs(#[from] ApplyError),
+    #[error("blocking task failed")]
+    Join(#[source] tokio::task::JoinError),
+}
+
+/// A directory kept open, so renames and fsyncs address it by descriptor.
+#[derive(Debug)]
+pub struct DurableDir {
+    path: PathBuf,
+    fd: OwnedFd,
+}
+
+impl DurableDir {
+    /// Opens `path` (creating it and its parents if missing).
+    pub fn open(path: impl Into<PathBuf>) -> Result<Arc<Self>, EngineError> {
+        let path = path.into();
+        let err = |source| EngineError::OpenDir {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&path).map_err(err)?;
+        let fd = std::fs::File::open(&path).map_err(err)?;
+        Ok(Arc::new(Self {
+            path,
+            fd: fd.into(),
+        }))
+    }
+
+    /// The directory's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+fn c_path(path: &Path) -> Result<CString, EngineError> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| EngineError::NulInPath {
+        path: path.to_owned(),
+    })
+}
+
+/// The temp file name used while replacing `name`. Hidden, so listings of marks skip it.
+pub fn temp_name(name: &str) -> String {
+    format!(".{name}.tmp")
+}
+
+/// Counters every engine keeps (for metrics and the syscall comparison in benchmarks).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// `io_uring_enter` calls (io_uring) or blocking jobs (sync).
+    pub submissions: AtomicU64,
+    /// Submission queue entries pushed (io_uring only).
+    pub sqes: AtomicU64,
+    /// Durable replaces and removals completed.
+    pub durable_ops: AtomicU64,
+    /// Directory fsyncs issued; fewer than `durable_ops` means group commit shared some.
+    pub dir_fsyncs: AtomicU64,
+    /// configfs plans applied.
+    pub configfs_plans: AtomicU64,
+}
+
+impl EngineStats {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A point-in-time copy.
+    pub fn snapshot(&self) -> [u64; 5] {
+        [
+            self.submissions.load(Ordering::Relaxed),
+            self.sqes.load(Ordering::Relaxed),
+            self.durable_ops.load(Ordering::Relaxed),
+            self.dir_fsyncs.load(Ordering::Relaxed),
+            self.configfs_plans.load(Ordering::Relaxed),
+        ]
+    }
+}
+
+/// Makes one step of every durable replace fail, to prove crash safety step by step. Only
+/// settable in builds with the `fault-injection` feature.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FaultInjection {
+    pub fail_at: Option<DurableStep>,
+}
+
+/// Observer of io_uring submission batch sizes (SQEs per `io_uring_enter`), for metrics.
+pub type BatchObserver = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// Which engine the agent runs.
+#[derive(Debug)]
+pub enum Engine {
+    Uring(uring::UringEngine),
+    Sync(sync::SyncEngine),
+}
+
+impl Engine {
+    /// The engine's name as shown in capabilities and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Uring(_) => "io_uring",
+            Self::Sync(_) => "sync",
+        }
+    }
+
+    /// Counters of this engine.
+    pub fn stats(&self) -> &EngineStats {
+        match self {
+            Self::Uring(e) => e.stats(),
+            Self::Sync(e) => e.stats(),
+        }
+    }
+
+    /// Durably replaces `dir/name` with `contents`: old or new content survives any crash, and
+    /// success means the new content is on stable storage.
+    pub async fn replace_file(
+        &self,
+        dir: &Arc<DurableDir>,
+        name: &str,
+        contents: Vec<u8>,
+    ) -> Result<(), EngineError> {
+        match self {
+            Self::Uring(e) => e.replace_file(dir, name, contents).await,
+            Self::Sync(e) => e.replace_file(dir, name, contents).await,
+        }
+    }
+
+    /// Durably removes `dir/name` (absent is fine).
+    pub async fn remove_file(&self, dir: &Arc<DurableDir>, name: &str) -> Result<(), EngineError> {
+        match self {
+            Self::Uring(e) => e.remove_file(dir, name).await,
+            Self::Sync(e) => e.remove_file(dir, name).await,
+        }
+    }
+
+    /// Runs a configfs plan against the nvmet tree open at `root`, in order, stopping at the
+    /// first failure.
+    pub async fn apply_configfs(
+        &self,
+        root: &Arc<DurableDir>,
+        ops: Vec<Op>,
+    ) -> Result<(), EngineError> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        match self {
+            Self::Uring(e) => e.apply_configfs(root, ops).await,
+            Self::Sync(e) => e.apply_configfs(root, ops).await,
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The synchronous engine: one blocking syscall per step on tokio's blocking pool. The baseline
+//! the io_uring engine is measured against, and the fallback where io_uring is unavailable.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write as _};
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::Arc;
+
+use pillar_nvmet::{KernelExecutor, Op, apply};
+
+use super::{DurableDir, DurableStep, EngineError, EngineStats, FaultInjection, temp_name};
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub struct SyncEngine {
+    stats: EngineStats,
+    fault: FaultInjection,
+}
+
+fn injected(step: DurableStep) -> io::Error {
+    io::Error::other(format!("injected failure at {step}"))
+}
+
+impl SyncEngine {
+    /// A synchronous engine.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A synchronous engine that fails every durable operation at one step.
+    #[cfg(feature = "fault-injection")]
+    pub fn with_fault(fault: FaultInjection) -> Self {
+        Self {
+            stats: EngineStats::default(),
+            fault,
+        }
+    }
+
+    pub(super) fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    pub(super) async fn replace_file(
+        &self,
+        dir: &Arc<DurableDir>,
+        name: &str,
+        contents: Vec<u8>,
+    ) -> Result<(), EngineError> {
+        let dir = Arc::clone(dir);
+        let name = name.to_owned();
+        let fault = self.fault;
+        EngineStats::add(&self.stats.submissions, 1);
+        tokio::task::spawn_blocking(move || replace_blocking(&dir, &name, &contents, fault))
+            .await
+            .map_err(EngineError::Join)??;
+        EngineStats::add(&self.stats.durable_ops, 1);
+        EngineStats::add(&self.stats.dir_fsyncs, 1);
+        Ok(())
+    }
+
+    pub(super) async fn remove_file(
+        &self,
+        dir: &Arc<DurableDir>,
+        name: &str,
+    ) -> Result<(), EngineError> {
+        let dir = Arc::clone(dir);
+        let name = name.to_owned();
+        EngineStats::add(&self.stats.submissions, 1);
+        tokio::task::spawn_blocking(move || {
+            let path = dir.path().join(&name);
+            let step = |step, source| EngineError::Step {
+                step,
+                path: path.clone(),
+                source,
+            };
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(step(DurableStep::Unlink, e)),
+            }
+            File::open(dir.path())
+                .and_then(|d| d.sync_all())
+                .map_err(|e| step(DurableStep::FsyncDir, e))
+        })
+        .await
+        .map_err(EngineError::Join)??;
+        EngineStats::add(&self.stats.durable_ops, 1);
+        EngineStats::add(&self.stats.dir_fsyncs, 1);
+        Ok(())
+    }
+
+    pub(super) async fn apply_configfs(
+        &self,
+        root: &Arc<DurableDir>,
+        ops: Vec<Op>,
+    ) -> Result<(), EngineError> {
+        let mut exec = KernelExecutor::new(root.path());
+        EngineStats::add(&self.stats.submissions, 1);
+        tokio::task::spawn_blocking(move || apply(&mut exec, &ops))
+            .await
+            .map_err(EngineError::Join)??;
+        EngineStats::add(&self.stats.configfs_plans, 1);
+        Ok(())
+    }
+}
+
+fn replace_blocking(
+    dir: &DurableDir,
+    name: &str,
+    contents: &[u8],
+    fault: FaultInjection,
+) -> Result<(), EngineError> {
+    let tmp = dir.path().join(temp_name(name));
+    let target = dir.path().join(name);
+    let fail = |step: DurableStep, source: io::Error| EngineError::Step {
+        step,
+        path: target.clone(),
+        source,
+    };
+    let check = |step: DurableStep| {
+        if fault.fail_at == Some(step) {
+            Err(fail(step, injected(step)))
+        } else {
+            Ok(())
+        }
+    };
+
+    check(DurableStep::Open)?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| fail(DurableStep::Open, e))?;
+    check(DurableStep::Write)?;
+    file.write_all(contents)
+        .map_err(|e| fail(DurableStep::Write, e))?;
+    check(DurableStep::Fsync)?;
+    file.sync_all().map_err(|e| fail(DurableStep::Fsync, e))?;
+    check(DurableStep::Close)?;
+    drop(file);
+    check(DurableStep::Rename)?;
+    std::fs::rename(&tmp, &target).map_err(|e| fail(DurableStep::Rename, e))?;
+    check(DurableStep::FsyncDir)?;
+    File::open(dir.path())
+        .and_then(|d| d.sync_all())
+        .map_err(|e| fail(DurableStep::FsyncDir, e))
+}

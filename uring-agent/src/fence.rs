@@ -1,0 +1,430 @@
+//! Stale-operation fencing: one durable mark per volume and the rules that check a request's
+//! token against it.
+//!
+//! Invariants (REQUIREMENTS F4-F9):
+//! - A mark holds the owning lifecycle UID, the highest generation applied, whether that
+//!   lifecycle has ended, and the UIDs of earlier (retired) lifecycles.
+//! - [`decide`] is pure: given the mark and a request it either rejects the request or says which
+//!   mark must be durable before the change runs. The caller holds the volume's lock from the
+//!   read of the mark until the change is applied (see `service`).
+//! - A mark is written as temp file, fsync, rename, fsync of the directory, before the change.
+//! - A mark that cannot be read or does not verify is an error for that volume; no default is
+//!   ever substituted, since a guess could re-admit a stale request.
+//! - Marks are never removed.
+
+use std::io;
+use std::sync::Arc;
+
+use pillar_nvmet::VolumeId;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::engine::{DurableDir, Engine, EngineError};
+
+/// A request's fencing token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Token {
+    pub uid: String,
+    pub generation: u64,
+}
+
+/// What a request does, as far as fencing cares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Intent {
+    Create,
+    Expand,
+    Export,
+    Grant,
+    Resync,
+    Revoke,
+    Unexport,
+    Delete,
+}
+
+impl Intent {
+    /// Builds or widens access: refused once the lifecycle ended.
+    fn builds(self) -> bool {
+        matches!(
+            self,
+            Self::Create | Self::Expand | Self::Export | Self::Grant | Self::Resync
+        )
+    }
+
+    /// Ends the lifecycle.
+    fn ends(self) -> bool {
+        matches!(self, Self::Delete)
+    }
+}
+
+/// The durable per-volume fencing mark.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mark {
+    pub volume: String,
+    pub owner_uid: String,
+    pub generation: u64,
+    pub ended: bool,
+    pub retired_uids: Vec<String>,
+}
+
+/// Why a request was refused. Each maps to FAILED_PRECONDITION with this text.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("request carries no fencing token (lifecycle UID and generation are required)")]
+    NoToken,
+    #[error(
+        "stale request: generation {got} is older than generation {mark} already applied for \
+         lifecycle {uid}"
+    )]
+    StaleGeneration { uid: String, got: u64, mark: u64 },
+    #[error("volume is owned by live lifecycle {owner}; request from lifecycle {got} refused")]
+    ForeignOwner { owner: String, got: String },
+    #[error("lifecycle {uid} of this volume was retired; its requests are refused")]
+    Retired { uid: String },
+    #[error("lifecycle {uid} of this volume has ended (deleted); create, export or grant refused")]
+    Ended { uid: String },
+}
+
+impl Rejection {
+    /// A short label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::NoToken => "no_token",
+            Self::StaleGeneration { .. } => "stale_generation",
+            Self::ForeignOwner { .. } => "foreign_owner",
+            Self::Retired { .. } => "retired_lifecycle",
+            Self::Ended { .. } => "ended_lifecycle",
+        }
+    }
+}
+
+/// The outcome of a check: `Some(mark)` must be made durable before the change runs; `None`
+/// means the request is a retry of what the mark already records.
+pub type Decision = Option<Mark>;
+
+/// Checks `token` for `intent` against the volume's current mark (F6).
+pub fn decide(
+    volume: &VolumeId,
+    mark: Option<&Mark>,
+    token: Option<&Token>,
+    intent: Intent,
+) -> Result<Decision, Rejection> {
+    let token = match token {
+        Some(t) if !t.uid.is_empty() => t,
+        _ => return Err(Rejection::NoToken),
+    };
+    let Some(mark) = mark else {
+        return Ok(Some(Mark {
+            volume: volume.to_string(),
+            owner_uid: token.uid.clone(),
+            generation: token.generation,
+            ended: intent.ends(),
+            retired_uids: Vec::new(),
+        }));
+    };
+    if mark.retired_uids.iter().any(|u| *u == token.uid) {
+        return Err(Rejection::Retired {
+            uid: token.uid.clone(),
+        });
+    }
+    if token.uid != mark.owner_uid {
+        if !mark.ended {
+            return Err(Rejection::ForeignOwner {
+                owner: mark.owner_uid.clone(),
+                got: token.uid.clone(),
+            });
+        }
+        // The owner's lifecycle ended (the volume was deleted): a new lifecycle of the same name
+        // takes over and the old UID is retired for good.
+        let mut retired = mark.retired_uids.clone();
+        retired.push(mark.owner_uid.clone());
+        return Ok(Some(Mark {
+            volume: mark.volume.clone(),
+            owner_uid: token.uid.clone(),
+            generation: token.generation,
+            ended: intent.ends(),
+            retired_uids: retired,
+        }));
+    }
+    if token.generation < mark.generation {
+        return Err(Rejection::StaleGeneration {
+            uid: token.uid.clone(),
+            got: token.generation,
+            mark: mark.generation,
+        });
+    }
+    if mark.ended && intent.builds() {
+        return Err(Rejection::Ended {
+            uid: token.uid.clone(),
+        });
+    }
+    let next = Mark {
+        generation: token.generation,
+        ended: mark.ended || intent.ends(),
+        ..mark.clone()
+    };
+    Ok((next != *mark).then_some(next))
+}
+
+/// Why a mark could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum MarkError {
+    #[error("fencing mark {path} cannot be read")]
+    Unreadable { path: String, source: io::Error },
+    #[error("fencing mark {path} is corrupt ({reason}); refusing to guess its value")]
+    Corrupt { path: String, reason: String },
+    #[error("fencing mark for {volume} could not be made durable")]
+    Write { volume: String, source: EngineError },
+}
+
+/// The on-disk form: the mark plus a checksum over its canonical JSON.
+#[derive(Serialize, Deserialize)]
+struct MarkFile {
+    format: u32,
+    mark: Mark,
+    sha256: String,
+}
+
+const FORMAT: u32 = 1;
+
+fn checksum(mark: &Mark) -> Result<String, serde_json::Error> {
+    let body = serde_json::to_vec(mark)?;
+    Ok(Sha256::digest(&body)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// Serialises a mark for disk.
+pub fn encode(mark: &Mark) -> Result<Vec<u8>, serde_json::Error> {
+    let file = MarkFile {
+        format: FORMAT,
+        mark: mark.clone(),
+        sha256: checksum(mark)?,
+    };
+    let mut out = serde_json::to_vec_pretty(&file)?;
+    out.push(b'\n');
+    Ok(out)
+}
+
+/// Parses and verifies a mark read from disk for `volume`.
+pub fn decode(volume: &VolumeId, bytes: &[u8]) -> Result<Mark, String> {
+    let file: MarkFile = serde_json::from_slice(bytes).map_err(|e| format!("not a mark: {e}"))?;
+    if file.format != FORMAT {
+        return Err(format!("unknown format {}", file.format));
+    }
+    let sum = checksum(&file.mark).map_err(|e| e.to_string())?;
+    if sum != file.sha256 {
+        return Err("checksum mismatch".into());
+    }
+    if file.mark.volume != volume.as_str() {
+        return Err(format!("mark belongs to volume {:?}", file.mark.volume));
+    }
+    if file.mark.owner_uid.is_empty() {
+        return Err("empty owner".into());
+    }
+    Ok(file.mark)
+}
+
+/// The marks directory, `<state>/generations/`.
+#[derive(Debug)]
+pub struct MarkStore {
+    dir: Arc<DurableDir>,
+}
+
+impl MarkStore {
+    /// Opens (creating) the marks directory.
+    pub fn open(state_dir: &std::path::Path) -> Result<Self, EngineError> {
+        Ok(Self {
+            dir: DurableDir::open(state_dir.join("generations"))?,
+        })
+    }
+
+    fn file_name(volume: &VolumeId) -> String {
+        format!("{volume}.json")
+    }
+
+    /// The mark of `volume`; `None` only when no mark file exists.
+    pub fn read(&self, volume: &VolumeId) -> Result<Option<Mark>, MarkError> {
+        let path = self.dir.path().join(Self::file_name(volume));
+        let shown = path.display().to_string();
+        match std::fs::read(&path) {
+            Ok(bytes) => decode(volume, &bytes)
+                .map(Some)
+                .map_err(|reason| MarkError::Corrupt {
+                    path: shown,
+                    reason,
+                }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(MarkError::Unreadable {
+                path: shown,
+                source,
+            }),
+        }
+    }
+
+    /// Makes `mark` durable (temp, fsync, rename, fsync dir) through `engine`.
+    pub async fn write(
+        &self,
+        engine: &Engine,
+        volume: &VolumeId,
+        mark: &Mark,
+    ) -> Result<(), MarkError> {
+        let bytes = encode(mark).map_err(|e| MarkError::Corrupt {
+            path: volume.to_string(),
+            reason: e.to_string(),
+        })?;
+        engine
+            .replace_file(&self.dir, &Self::file_name(volume), bytes)
+            .await
+            .map_err(|source| MarkError::Write {
+                volume: volume.to_string(),
+                source,
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vol() -> VolumeId {
+        VolumeId::parse("v1").unwrap()
+    }
+    fn tok(uid: &str, generation: u64) -> Token {
+        Token {
+            uid: uid.into(),
+            generation,
+        }
+    }
+    fn mark(uid: &str, generation: u64, ended: bool, retired: &[&str]) -> Mark {
+        Mark {
+            volume: "v1".into(),
+            owner_uid: uid.into(),
+            generation,
+            ended,
+            retired_uids: retired.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    // proves F6 (no token)
+    #[test]
+    fn missing_or_empty_token_is_refused() {
+        assert_eq!(
+            decide(&vol(), None, None, Intent::Create),
+            Err(Rejection::NoToken)
+        );
+        assert_eq!(
+            decide(&vol(), None, Some(&tok("", 1)), Intent::Create),
+            Err(Rejection::NoToken)
+        );
+    }
+
+    #[test]
+    fn first_request_creates_the_mark() {
+        let d = decide(&vol(), None, Some(&tok("a", 3)), Intent::Create).unwrap();
+        assert_eq!(d, Some(mark("a", 3, false, &[])));
+        let d = decide(&vol(), None, Some(&tok("a", 3)), Intent::Delete).unwrap();
+        assert_eq!(
+            d,
+            Some(mark("a", 3, true, &[])),
+            "a delete of an unknown volume still ends it"
+        );
+    }
+
+    // proves F6 (lower generation), and that an equal generation is an idempotent retry
+    #[test]
+    fn generations_only_move_forward() {
+        let m = mark("a", 5, false, &[]);
+        assert!(matches!(
+            decide(&vol(), Some(&m), Some(&tok("a", 4)), Intent::Revoke),
+            Err(Rejection::StaleGeneration {
+                got: 4,
+                mark: 5,
+                ..
+            })
+        ));
+        assert_eq!(
+            decide(&vol(), Some(&m), Some(&tok("a", 5)), Intent::Grant),
+            Ok(None)
+        );
+        assert_eq!(
+            decide(&vol(), Some(&m), Some(&tok("a", 6)), Intent::Grant),
+            Ok(Some(mark("a", 6, false, &[])))
+        );
+    }
+
+    // proves F6 (foreign owner, retired lifecycle)
+    #[test]
+    fn other_lifecycles_are_refused_until_the_owner_ended() {
+        let live = mark("a", 5, false, &[]);
+        assert!(matches!(
+            decide(&vol(), Some(&live), Some(&tok("b", 9)), Intent::Create),
+            Err(Rejection::ForeignOwner { .. })
+        ));
+        let ended = mark("a", 6, true, &[]);
+        let taken = decide(&vol(), Some(&ended), Some(&tok("b", 1)), Intent::Create)
+            .unwrap()
+            .unwrap();
+        assert_eq!(taken, mark("b", 1, false, &["a"]));
+        // The old lifecycle can never come back, whatever its generation.
+        assert_eq!(
+            decide(&vol(), Some(&taken), Some(&tok("a", 100)), Intent::Revoke),
+            Err(Rejection::Retired { uid: "a".into() })
+        );
+    }
+
+    // proves F6 (create or grant on an ended lifecycle)
+    #[test]
+    fn an_ended_lifecycle_cannot_build_but_can_tear_down() {
+        let ended = mark("a", 6, true, &[]);
+        for intent in [
+            Intent::Create,
+            Intent::Grant,
+            Intent::Export,
+            Intent::Expand,
+            Intent::Resync,
+        ] {
+            assert_eq!(
+                decide(&vol(), Some(&ended), Some(&tok("a", 7)), intent),
+                Err(Rejection::Ended { uid: "a".into() })
+            );
+        }
+        for intent in [Intent::Revoke, Intent::Unexport, Intent::Delete] {
+            assert!(decide(&vol(), Some(&ended), Some(&tok("a", 7)), intent).is_ok());
+        }
+        assert_eq!(
+            decide(
+                &vol(),
+                Some(&mark("a", 6, false, &[])),
+                Some(&tok("a", 6)),
+                Intent::Delete
+            ),
+            Ok(Some(ended))
+        );
+    }
+
+    // proves F8
+    #[test]
+    fn a_damaged_mark_never_decodes() {
+        let m = mark("a", 5, false, &["z"]);
+        let bytes = encode(&m).unwrap();
+        assert_eq!(decode(&vol(), &bytes).unwrap(), m);
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        let tampered = text.replace("\"generation\": 5", "\"generation\": 50");
+        assert!(
+            decode(&vol(), tampered.as_bytes())
+                .unwrap_err()
+                .contains("checksum")
+        );
+        assert!(
+            decode(&vol(), &bytes[..bytes.len() / 2]).is_err(),
+            "truncated"
+        );
+        assert!(decode(&vol(), b"").is_err());
+        assert!(
+            decode(&VolumeId::parse("v2").unwrap(), &bytes)
+                .unwrap_err()
+                .contains("belongs")
+        );
+    }
+}
