@@ -121,7 +121,7 @@ pub fn decide(
             retired_uids: Vec::new(),
         }));
     };
-    if mark.retired_uids.iter().any(|u| *u == token.uid) {
+    if mark.retired_uids.contains(&token.uid) {
         return Err(Rejection::Retired {
             uid: token.uid.clone(),
         });
