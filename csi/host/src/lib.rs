@@ -34,10 +34,11 @@ use std::path::{Path, PathBuf};
 pub use error::{ErrorClass, HostError, StageRecordError};
 pub use fabrics::{ConnectOptions, Controller, connect};
 pub use fs::{
-    Formatted, FsType, Probe, Signature, VolumeStats, bind_mount, block_device_size,
+    Formatted, FsType, Probe, Signature, VolumeStats, bind_mount, block_device_size, find_mount,
     format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank, unmount,
     volume_stats,
 };
+pub use mountinfo::MountEntry;
 pub use stage::{StageMode, StagePhase, StageRecord, StageStore};
 pub use sysfs::{
     ControllerInfo, ControllerState, NamespaceDevice, NamespaceParent, controller_live,
