@@ -1,5 +1,18 @@
 //! pillar's storage-node agent: fenced volume, export and ACL operations on the Linux NVMe-oF
 //! target, with an io_uring core.
+//!
+//! - [`engine`]: io_uring and synchronous engines for durable small files and configfs plans.
+//! - [`fence`]: fencing marks and the token rules.
+//! - [`backend`]: volume devices (file on loop, LVM, ZFS).
+//! - [`target`]: configfs (kernel or test double) and adopted-identity records.
+//! - [`service`]: the operations, with locking, fencing and the resync gate.
+//! - [`grpc`]: the gRPC edge and its error code table; [`server`]: assembly, mTLS, metrics.
+
 pub mod backend;
 pub mod engine;
 pub mod fence;
+pub mod grpc;
+pub mod metrics;
+pub mod server;
+pub mod service;
+pub mod target;

@@ -50,10 +50,17 @@ const WAKE: u64 = u64::MAX;
 #[derive(Clone, Default)]
 pub struct UringConfig {
     fault: FaultInjection,
-    pub batch_observer: Option<BatchObserver>,
+    batch_observer: Option<BatchObserver>,
 }
 
 impl UringConfig {
+    /// Reports each submission's size to `observer`.
+    #[must_use]
+    pub fn with_batch_observer(mut self, observer: BatchObserver) -> Self {
+        self.batch_observer = Some(observer);
+        self
+    }
+
     /// Fails one step of every durable operation (crash-safety tests).
     #[cfg(feature = "fault-injection")]
     #[must_use]

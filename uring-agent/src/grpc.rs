@@ -1,0 +1,396 @@
+//! The gRPC edge: request parsing, the one place errors become `tonic::Status` (the code table
+//! below), per-RPC metrics and tracing spans carrying the volume ID.
+
+use std::error::Error as _;
+use std::sync::Arc;
+use std::time::Instant;
+
+use pillar_agent_api::v1 as api;
+use tonic::{Code, Request, Response, Status};
+use tracing::Instrument;
+
+use crate::backend::BackendError;
+use crate::fence::{MarkError, Token};
+use crate::metrics::Metrics;
+use crate::service::{Agent, AgentError, ExportRequest, Protocol, Readiness};
+use crate::target::TargetError;
+
+/// The gRPC code of every agent error. Changing a row changes the controller's behaviour.
+pub fn code_of(err: &AgentError) -> Code {
+    match err {
+        AgentError::InvalidArgument { .. } => Code::InvalidArgument,
+        AgentError::UnknownPool { .. } | AgentError::VolumeNotFound { .. } => Code::NotFound,
+        AgentError::Fenced(_) => Code::FailedPrecondition,
+        AgentError::Mark(MarkError::Corrupt { .. }) => Code::DataLoss,
+        AgentError::Mark(MarkError::Unreadable { .. } | MarkError::Write { .. }) => Code::Internal,
+        AgentError::WaitingForResync => Code::Unavailable,
+        AgentError::NotExported { .. }
+        | AgentError::StillExported { .. }
+        | AgentError::Plan { .. } => Code::FailedPrecondition,
+        AgentError::Backend(b) => match b {
+            BackendError::InvalidSize { .. } | BackendError::UnsupportedName { .. } => {
+                Code::InvalidArgument
+            }
+            BackendError::SizeUnsupported { .. } | BackendError::ShrinkRefused { .. } => {
+                Code::OutOfRange
+            }
+            BackendError::SizeMismatch { .. } => Code::AlreadyExists,
+            BackendError::NotFound { .. } => Code::NotFound,
+            BackendError::NotOwned { .. }
+            | BackendError::Busy { .. }
+            | BackendError::InvalidConfig { .. }
+            | BackendError::PoolMissing { .. } => Code::FailedPrecondition,
+            _ => Code::Internal,
+        },
+        AgentError::Target(TargetError::NoNvmet { .. }) => Code::Unavailable,
+        AgentError::Target(TargetError::CorruptIdentityRecord { .. }) => Code::DataLoss,
+        AgentError::Target(_) | AgentError::Verify(_) => Code::Internal,
+    }
+}
+
+/// The error and its causes, one line.
+fn describe(err: &AgentError) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+fn status(err: &AgentError) -> Status {
+    Status::new(code_of(err), describe(err))
+}
+
+fn token(t: Option<api::FencingToken>) -> Option<Token> {
+    t.map(|t| Token {
+        uid: t.lifecycle_uid,
+        generation: t.generation,
+    })
+}
+
+fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
+    let protocol = r.protocol.unwrap_or_default();
+    let service = u16::try_from(protocol.service).map_err(|_| AgentError::InvalidArgument {
+        field: "protocol.service",
+        reason: format!("{} is not a TCP port", protocol.service),
+    })?;
+    Ok(ExportRequest {
+        token: token(r.token),
+        volume: r.volume_id,
+        pool: r.pool,
+        protocol: Protocol {
+            service,
+            acl: protocol.acl,
+        },
+        allowed_hosts: r.allowed_host_nqns,
+    })
+}
+
+/// The tonic service.
+#[derive(Debug, Clone)]
+pub struct AgentService {
+    agent: Arc<Agent>,
+    metrics: Arc<Metrics>,
+}
+
+impl AgentService {
+    /// Serves `agent`.
+    pub fn new(agent: Arc<Agent>, metrics: Arc<Metrics>) -> Self {
+        Self { agent, metrics }
+    }
+
+    /// Runs one RPC in a span, records its latency and maps its error.
+    async fn call<T>(
+        &self,
+        method: &'static str,
+        volume: &str,
+        work: impl Future<Output = Result<T, AgentError>>,
+    ) -> Result<Response<T>, Status> {
+        let span = tracing::info_span!("rpc", method, volume_id = volume);
+        let started = Instant::now();
+        let result = work.instrument(span.clone()).await;
+        let code = result.as_ref().map_or_else(code_of, |_| Code::Ok);
+        self.metrics
+            .rpc(method, code, started.elapsed().as_secs_f64());
+        match result {
+            Ok(v) => Ok(Response::new(v)),
+            Err(e) => {
+                let _entered = span.enter();
+                if matches!(code, Code::Internal | Code::DataLoss | Code::Unavailable) {
+                    tracing::error!(code = ?code, "{}", describe(&e));
+                } else {
+                    tracing::info!(code = ?code, "{}", describe(&e));
+                }
+                Err(status(&e))
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl api::agent_server::Agent for AgentService {
+    async fn get_capabilities(
+        &self,
+        _: Request<api::GetCapabilitiesRequest>,
+    ) -> Result<Response<api::GetCapabilitiesResponse>, Status> {
+        let agent = &self.agent;
+        self.call("GetCapabilities", "", async {
+            Ok(api::GetCapabilitiesResponse {
+                agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+                engine: agent.engine().name().to_owned(),
+                target: agent.target().kind().to_owned(),
+                pools: agent
+                    .pools()
+                    .map(|(name, kind)| api::Pool {
+                        name: name.to_owned(),
+                        kind: kind.to_owned(),
+                    })
+                    .collect(),
+            })
+        })
+        .await
+    }
+
+    async fn health(
+        &self,
+        _: Request<api::HealthRequest>,
+    ) -> Result<Response<api::HealthResponse>, Status> {
+        let agent = &self.agent;
+        self.call("Health", "", async {
+            let (state, message) = match agent.readiness().await {
+                Readiness::WaitingForResync => (
+                    api::health_response::State::WaitingForResync,
+                    "waiting for the controller's export resync; no export is created until then",
+                ),
+                Readiness::Serving => (api::health_response::State::Serving, "serving"),
+            };
+            Ok(api::HealthResponse {
+                state: state.into(),
+                message: message.to_owned(),
+                boot_id: agent.boot_id().to_owned(),
+            })
+        })
+        .await
+    }
+
+    async fn create_volume(
+        &self,
+        r: Request<api::CreateVolumeRequest>,
+    ) -> Result<Response<api::CreateVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("CreateVolume", &r.volume_id.clone(), async move {
+            let info = agent
+                .create_volume(token(r.token), &r.volume_id, &r.pool, r.size_bytes)
+                .await?;
+            Ok(api::CreateVolumeResponse {
+                size_bytes: info.size_bytes,
+            })
+        })
+        .await
+    }
+
+    async fn expand_volume(
+        &self,
+        r: Request<api::ExpandVolumeRequest>,
+    ) -> Result<Response<api::ExpandVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("ExpandVolume", &r.volume_id.clone(), async move {
+            let info = agent
+                .expand_volume(token(r.token), &r.volume_id, &r.pool, r.size_bytes)
+                .await?;
+            Ok(api::ExpandVolumeResponse {
+                size_bytes: info.size_bytes,
+            })
+        })
+        .await
+    }
+
+    async fn delete_volume(
+        &self,
+        r: Request<api::DeleteVolumeRequest>,
+    ) -> Result<Response<api::DeleteVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("DeleteVolume", &r.volume_id.clone(), async move {
+            agent
+                .delete_volume(token(r.token), &r.volume_id, &r.pool)
+                .await?;
+            Ok(api::DeleteVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn export(
+        &self,
+        r: Request<api::ExportRequest>,
+    ) -> Result<Response<api::ExportResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("Export", &r.volume_id.clone(), async move {
+            let done = agent.export(export_request(r)?).await?;
+            Ok(api::ExportResponse {
+                subsystem_nqn: done.nqn.to_string(),
+                target_address: done.address.ip().to_string(),
+                target_service: u32::from(done.address.port()),
+                identity_adopted: done.identity_adopted,
+            })
+        })
+        .await
+    }
+
+    async fn unexport(
+        &self,
+        r: Request<api::UnexportRequest>,
+    ) -> Result<Response<api::UnexportResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("Unexport", &r.volume_id.clone(), async move {
+            agent.unexport(token(r.token), &r.volume_id).await?;
+            Ok(api::UnexportResponse {})
+        })
+        .await
+    }
+
+    async fn grant_initiator(
+        &self,
+        r: Request<api::GrantInitiatorRequest>,
+    ) -> Result<Response<api::GrantInitiatorResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("GrantInitiator", &r.volume_id.clone(), async move {
+            agent
+                .grant(token(r.token), &r.volume_id, &r.host_nqn)
+                .await?;
+            Ok(api::GrantInitiatorResponse {})
+        })
+        .await
+    }
+
+    async fn revoke_initiator(
+        &self,
+        r: Request<api::RevokeInitiatorRequest>,
+    ) -> Result<Response<api::RevokeInitiatorResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("RevokeInitiator", &r.volume_id.clone(), async move {
+            agent
+                .revoke(token(r.token), &r.volume_id, &r.host_nqn)
+                .await?;
+            Ok(api::RevokeInitiatorResponse {})
+        })
+        .await
+    }
+
+    async fn resync_exports(
+        &self,
+        r: Request<api::ResyncExportsRequest>,
+    ) -> Result<Response<api::ResyncExportsResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("ResyncExports", "", async move {
+            let mut requests = Vec::with_capacity(r.exports.len());
+            let mut results = Vec::new();
+            for e in r.exports {
+                let volume = e.volume_id.clone();
+                match export_request(e) {
+                    Ok(req) => requests.push(req),
+                    Err(err) => results.push(api::resync_exports_response::Result {
+                        volume_id: volume,
+                        ok: false,
+                        code: format!("{:?}", code_of(&err)),
+                        message: describe(&err),
+                    }),
+                }
+            }
+            let (outcomes, unlisted) = agent.resync(requests).await?;
+            results.extend(outcomes.into_iter().map(|o| match o.result {
+                Ok(_) => api::resync_exports_response::Result {
+                    volume_id: o.volume,
+                    ok: true,
+                    code: "Ok".into(),
+                    message: String::new(),
+                },
+                Err(err) => api::resync_exports_response::Result {
+                    volume_id: o.volume,
+                    ok: false,
+                    code: format!("{:?}", code_of(&err)),
+                    message: describe(&err),
+                },
+            }));
+            Ok(api::ResyncExportsResponse {
+                results,
+                unlisted_volume_ids: unlisted,
+            })
+        })
+        .await
+    }
+
+    async fn list_volumes(
+        &self,
+        r: Request<api::ListVolumesRequest>,
+    ) -> Result<Response<api::ListVolumesResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("ListVolumes", "", async move {
+            let volumes = agent
+                .list_volumes(&r.pool)
+                .await?
+                .into_iter()
+                .map(|(pool, v)| api::Volume {
+                    volume_id: v.volume.to_string(),
+                    pool,
+                    size_bytes: v.size_bytes,
+                    device_path: v.device_path.display().to_string(),
+                })
+                .collect();
+            Ok(api::ListVolumesResponse { volumes })
+        })
+        .await
+    }
+
+    async fn list_exports(
+        &self,
+        _: Request<api::ListExportsRequest>,
+    ) -> Result<Response<api::ListExportsResponse>, Status> {
+        let agent = &self.agent;
+        self.call("ListExports", "", async move {
+            let exports = agent
+                .list_exports()
+                .await?
+                .into_iter()
+                .map(|e| api::ExportInfo {
+                    volume_id: e.volume.to_string(),
+                    subsystem_nqn: e.nqn,
+                    device_path: e.device_path,
+                    acl: e.acl,
+                    allowed_host_nqns: e.allowed_hosts,
+                    services: e.services.into_iter().map(u32::from).collect(),
+                    enabled: e.enabled,
+                })
+                .collect();
+            Ok(api::ListExportsResponse { exports })
+        })
+        .await
+    }
+
+    async fn get_capacity(
+        &self,
+        r: Request<api::GetCapacityRequest>,
+    ) -> Result<Response<api::GetCapacityResponse>, Status> {
+        let r = r.into_inner();
+        let agent = &self.agent;
+        self.call("GetCapacity", "", async move {
+            let c = agent.capacity(&r.pool).await?;
+            Ok(api::GetCapacityResponse {
+                total_bytes: c.total_bytes,
+                available_bytes: c.available_bytes,
+            })
+        })
+        .await
+    }
+}

@@ -1,0 +1,292 @@
+//! Assembling and serving the agent: engine, marks, target, pools, gRPC (mTLS or, only when
+//! asked explicitly, plaintext), server reflection and the metrics endpoint.
+//!
+//! Invariants:
+//! - gRPC over TCP or a unix socket is mutually authenticated TLS unless `insecure_plaintext` is
+//!   set; with TLS, every call's client certificate must name the authorised controller (DNS or
+//!   URI subject alternative name, or common name), else PERMISSION_DENIED.
+//! - When io_uring cannot be used, the agent refuses to start with the io_uring engine and says
+//!   how to run the synchronous one; it never switches silently.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pillar_agent_api::v1::FILE_DESCRIPTOR_SET;
+use pillar_agent_api::v1::agent_server::AgentServer;
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic::{Request, Status};
+
+use crate::backend::{Backend, BackendError, PoolConfig, SystemRunner};
+use crate::engine::sync::SyncEngine;
+use crate::engine::uring::{UringConfig, UringEngine};
+use crate::engine::{Engine, EngineError};
+use crate::fence::MarkStore;
+use crate::grpc::AgentService;
+use crate::metrics::Metrics;
+use crate::service::{Agent, AgentSettings};
+use crate::target::{Target, TargetConfig, TargetError};
+
+/// Where the gRPC server listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Listen {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+impl std::str::FromStr for Listen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(path) = s.strip_prefix("unix://") {
+            return Ok(Self::Unix(path.into()));
+        }
+        let addr = s.strip_prefix("tcp://").unwrap_or(s);
+        addr.parse()
+            .map(Self::Tcp)
+            .map_err(|e| format!("{s:?} is neither unix:///path nor tcp://host:port: {e}"))
+    }
+}
+
+/// Which engine to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    #[value(name = "io_uring")]
+    Uring,
+    Sync,
+}
+
+/// mTLS material and the controller identity to authorise.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: PathBuf,
+    pub authorized_client: String,
+}
+
+/// Everything the agent needs to start.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub state_dir: PathBuf,
+    pub listen: Listen,
+    pub engine: EngineKind,
+    pub target: TargetConfig,
+    pub pools: Vec<PoolConfig>,
+    pub settings: AgentSettings,
+    pub tls: Option<TlsFiles>,
+    pub insecure_plaintext: bool,
+    pub metrics_listen: Option<SocketAddr>,
+    pub command_timeout: Duration,
+}
+
+/// Why the agent could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(
+        "no TLS material given: pass --tls-cert/--tls-key/--tls-client-ca/--authorized-client, or --insecure-plaintext"
+    )]
+    NoTls,
+    #[error("cannot read TLS file {path}")]
+    TlsFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("TLS configuration rejected")]
+    Tls(#[source] tonic::transport::Error),
+    #[error("starting the engine")]
+    Engine(#[from] EngineError),
+    #[error("opening the target")]
+    Target(#[from] TargetError),
+    #[error("pool {pool:?}")]
+    Pool { pool: String, source: BackendError },
+    #[error("two pools are named {0:?}")]
+    DuplicatePool(String),
+    #[error("cannot bind {what}")]
+    Bind {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("building gRPC reflection")]
+    Reflection(#[source] tonic_reflection::server::Error),
+    #[error("gRPC server failed")]
+    Serve(#[source] tonic::transport::Error),
+}
+
+/// Builds the agent from `config` (no listening yet).
+pub async fn build_agent(
+    config: &ServerConfig,
+    metrics: &Arc<Metrics>,
+) -> Result<Arc<Agent>, ServerError> {
+    let engine = Arc::new(match config.engine {
+        EngineKind::Uring => Engine::Uring(UringEngine::start(
+            UringConfig::default().with_batch_observer(metrics.batch_observer()),
+        )?),
+        EngineKind::Sync => Engine::Sync(SyncEngine::new()),
+    });
+    let marks = MarkStore::open(&config.state_dir)?;
+    let target = Target::open(&config.target, Arc::clone(&engine), &config.state_dir)?;
+    let runner = Arc::new(SystemRunner::new(config.command_timeout));
+    let mut pools = BTreeMap::new();
+    for pool in &config.pools {
+        let backend = Backend::open(pool, runner.clone())
+            .await
+            .map_err(|source| ServerError::Pool {
+                pool: pool.name.clone(),
+                source,
+            })?;
+        if pools.insert(pool.name.clone(), backend).is_some() {
+            return Err(ServerError::DuplicatePool(pool.name.clone()));
+        }
+    }
+    tracing::info!(engine = engine.name(), target = target.kind(), root = %target.root().display(), "agent ready; waiting for the controller's export resync");
+    Ok(Arc::new(Agent::new(
+        engine,
+        marks,
+        target,
+        pools,
+        config.settings.clone(),
+        Arc::clone(metrics),
+    )))
+}
+
+/// The names a client certificate carries: DNS and URI subject alternative names, common names.
+fn certificate_names(der: &[u8]) -> Vec<String> {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = cert
+        .subject()
+        .iter_common_name()
+        .filter_map(|cn| cn.as_str().ok().map(str::to_owned))
+        .collect();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            match name {
+                x509_parser::extensions::GeneralName::DNSName(n)
+                | x509_parser::extensions::GeneralName::URI(n) => {
+                    names.push((*n).to_owned());
+                }
+                _ => {}
+            }
+        }
+    }
+    names
+}
+
+/// Authorises each call by the client certificate's identity.
+fn authorize(expected: Arc<str>) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
+    move |req: Request<()>| {
+        let certs = req
+            .peer_certs()
+            .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
+        let leaf = certs
+            .first()
+            .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
+        let names = certificate_names(leaf.as_ref());
+        if names.iter().any(|n| **n == *expected) {
+            Ok(req)
+        } else {
+            Err(Status::permission_denied(format!(
+                "client certificate names {names:?}; only {expected:?} may call the agent"
+            )))
+        }
+    }
+}
+
+fn read(path: &PathBuf) -> Result<Vec<u8>, ServerError> {
+    std::fs::read(path).map_err(|source| ServerError::TlsFile {
+        path: path.clone(),
+        source,
+    })
+}
+
+async fn serve_metrics(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<(), ServerError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServerError::Bind {
+            what: format!("metrics on {addr}"),
+            source,
+        })?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let metrics = Arc::clone(&metrics);
+            async move { metrics.encode() }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    Ok(())
+}
+
+/// Builds the agent and serves it until `shutdown` completes.
+pub async fn serve(
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let metrics = Arc::new(Metrics::new());
+    let agent = build_agent(&config, &metrics).await?;
+    if let Some(addr) = config.metrics_listen {
+        serve_metrics(addr, Arc::clone(&metrics)).await?;
+    }
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(ServerError::Reflection)?;
+    let service = AgentService::new(agent, metrics);
+    let mut builder = Server::builder();
+    let router = match (&config.tls, config.insecure_plaintext) {
+        (Some(tls), _) => {
+            let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
+            let tls_config = ServerTlsConfig::new()
+                .identity(identity)
+                .client_ca_root(Certificate::from_pem(read(&tls.client_ca)?));
+            builder = builder.tls_config(tls_config).map_err(ServerError::Tls)?;
+            let expected: Arc<str> = tls.authorized_client.as_str().into();
+            builder
+                .add_service(AgentServer::with_interceptor(service, authorize(expected)))
+                .add_service(reflection)
+        }
+        (None, true) => {
+            tracing::warn!("serving gRPC without TLS (--insecure-plaintext)");
+            builder
+                .add_service(AgentServer::new(service))
+                .add_service(reflection)
+        }
+        (None, false) => return Err(ServerError::NoTls),
+    };
+    match &config.listen {
+        Listen::Unix(path) => {
+            // A socket left by a previous run would make bind fail.
+            let _ = std::fs::remove_file(path);
+            if let Some(parent) = path.parent() {
+                let _ = std::fs::create_dir_all(parent);
+            }
+            let listener =
+                tokio::net::UnixListener::bind(path).map_err(|source| ServerError::Bind {
+                    what: path.display().to_string(),
+                    source,
+                })?;
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+            tracing::info!(socket = %path.display(), "serving gRPC");
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+                .map_err(ServerError::Serve)
+        }
+        Listen::Tcp(addr) => {
+            tracing::info!(%addr, "serving gRPC");
+            router
+                .serve_with_shutdown(*addr, shutdown)
+                .await
+                .map_err(ServerError::Serve)
+        }
+    }
+}

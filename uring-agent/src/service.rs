@@ -1,0 +1,667 @@
+//! The agent's operations, independent of gRPC.
+//!
+//! Invariants:
+//! - Every mutating operation takes the volume's lock, reads the fencing mark, decides, makes the
+//!   new mark durable, and applies the change, all before releasing the lock (F5, F7). A
+//!   rejected request changes nothing.
+//! - Input is validated before the lock is taken or anything is read: a malformed request gets
+//!   an error and changes nothing.
+//! - After a start the agent is `WaitingForResync`: it creates no export and grants nothing until
+//!   the controller has sent the complete export state of this node (C3).
+//! - Exports use the derived identity (I1), or the recorded adopted one (I4); the identity is set
+//!   before enable and read back after every change (I2), and never changed on a live namespace
+//!   (I3, enforced by the planner).
+//! - A revoke under `acl` removes the host from the ACL and then cuts the subsystem's live
+//!   connections, so the revoked host can no longer do I/O when the call returns (W7).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use pillar_nvmet::{
+    ExportSpec, HostAccess, HostNqn, NamespaceId, PortId, PortSpec, SubsystemNqn, VolumeId,
+    plan_cut_connections, plan_export, plan_revalidate, plan_unexport, verify, volume_export,
+};
+use tokio::sync::{Mutex, OwnedMutexGuard, RwLock};
+
+use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
+use crate::engine::Engine;
+use crate::fence::{Intent, MarkError, MarkStore, Rejection, Token, decide};
+use crate::metrics::Metrics;
+use crate::target::{IdentityRecord, Target, TargetError, spec_from_observed};
+
+/// Why an agent operation failed. Mapped to gRPC codes once, in `grpc`.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument { field: &'static str, reason: String },
+    #[error("unknown pool {pool:?}")]
+    UnknownPool { pool: String },
+    #[error(transparent)]
+    Fenced(#[from] Rejection),
+    #[error(transparent)]
+    Mark(#[from] MarkError),
+    #[error(
+        "the agent restarted and waits for the controller's export resync; it creates no export until then"
+    )]
+    WaitingForResync,
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("volume {volume} does not exist in pool {pool:?}")]
+    VolumeNotFound { volume: String, pool: String },
+    #[error("volume {volume} is not exported")]
+    NotExported { volume: String },
+    #[error("volume {volume} is still exported; unexport it before deleting")]
+    StillExported { volume: String },
+    #[error("no safe configfs plan for {volume}")]
+    Plan {
+        volume: String,
+        source: pillar_nvmet::PlanError,
+    },
+    #[error(transparent)]
+    Target(#[from] TargetError),
+    #[error("read-back after the change does not match")]
+    Verify(#[from] pillar_nvmet::VerifyError),
+}
+
+/// Whether the agent serves exports yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readiness {
+    WaitingForResync,
+    Serving,
+}
+
+/// How hosts reach an export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Protocol {
+    pub service: u16,
+    pub acl: bool,
+}
+
+/// One export as the controller wants it.
+#[derive(Clone, Debug)]
+pub struct ExportRequest {
+    pub token: Option<Token>,
+    pub volume: String,
+    pub pool: String,
+    pub protocol: Protocol,
+    pub allowed_hosts: Vec<String>,
+}
+
+/// The result of an export.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exported {
+    pub nqn: SubsystemNqn,
+    pub address: SocketAddr,
+    pub identity_adopted: bool,
+}
+
+/// One volume's outcome in a resync.
+#[derive(Debug)]
+pub struct ResyncOutcome {
+    pub volume: String,
+    pub result: Result<Exported, AgentError>,
+}
+
+/// What ListExports reports.
+#[derive(Clone, Debug)]
+pub struct ExportSummary {
+    pub volume: VolumeId,
+    pub nqn: String,
+    pub device_path: String,
+    pub acl: bool,
+    pub allowed_hosts: Vec<String>,
+    pub services: Vec<u16>,
+    pub enabled: bool,
+}
+
+/// Settings the agent needs besides its parts.
+#[derive(Clone, Debug)]
+pub struct AgentSettings {
+    /// Where hosts connect (the `addr_traddr` of every port this agent creates).
+    pub nvme_address: IpAddr,
+    /// Test-only: leave namespace identity and serial to the kernel (random), to show what
+    /// stable identity prevents. Never for production.
+    pub kernel_random_identity: bool,
+}
+
+/// The agent.
+pub struct Agent {
+    engine: Arc<Engine>,
+    marks: MarkStore,
+    target: Target,
+    pools: BTreeMap<String, Backend>,
+    locks: std::sync::Mutex<HashMap<VolumeId, Arc<Mutex<()>>>>,
+    readiness: RwLock<Readiness>,
+    boot_id: String,
+    settings: AgentSettings,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("engine", &self.engine.name())
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+fn volume_id(raw: &str) -> Result<VolumeId, AgentError> {
+    VolumeId::parse(raw).map_err(|e| AgentError::InvalidArgument {
+        field: "volume_id",
+        reason: e.to_string(),
+    })
+}
+
+fn host_nqn(raw: &str) -> Result<HostNqn, AgentError> {
+    HostNqn::parse(raw).map_err(|e| AgentError::InvalidArgument {
+        field: "host_nqn",
+        reason: e.to_string(),
+    })
+}
+
+fn size(raw: u64) -> Result<u64, AgentError> {
+    if raw == 0 || raw > MAX_VOLUME_BYTES {
+        return Err(AgentError::InvalidArgument {
+            field: "size_bytes",
+            reason: format!("{raw} is not between 1 and {MAX_VOLUME_BYTES}"),
+        });
+    }
+    Ok(raw)
+}
+
+fn service(raw: u16) -> Result<u16, AgentError> {
+    if raw == 0 {
+        return Err(AgentError::InvalidArgument {
+            field: "protocol.service",
+            reason: "port 0 is not a TCP service".into(),
+        });
+    }
+    Ok(raw)
+}
+
+impl Agent {
+    /// Assembles an agent. It starts `WaitingForResync`.
+    pub fn new(
+        engine: Arc<Engine>,
+        marks: MarkStore,
+        target: Target,
+        pools: BTreeMap<String, Backend>,
+        settings: AgentSettings,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            engine,
+            marks,
+            target,
+            pools,
+            locks: std::sync::Mutex::new(HashMap::new()),
+            readiness: RwLock::new(Readiness::WaitingForResync),
+            boot_id: uuid::Uuid::new_v4().to_string(),
+            settings,
+            metrics,
+        }
+    }
+
+    /// The engine in use.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The target in use.
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// Pools and their backend kinds.
+    pub fn pools(&self) -> impl Iterator<Item = (&str, &'static str)> {
+        self.pools.iter().map(|(n, b)| (n.as_str(), b.kind_name()))
+    }
+
+    /// Changes at every start.
+    pub fn boot_id(&self) -> &str {
+        &self.boot_id
+    }
+
+    /// Serving or waiting for resync.
+    pub async fn readiness(&self) -> Readiness {
+        *self.readiness.read().await
+    }
+
+    fn pool(&self, name: &str) -> Result<&Backend, AgentError> {
+        self.pools.get(name).ok_or_else(|| AgentError::UnknownPool {
+            pool: name.to_owned(),
+        })
+    }
+
+    async fn lock_volume(&self, volume: &VolumeId) -> OwnedMutexGuard<()> {
+        let lock = {
+            let mut locks = self
+                .locks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            Arc::clone(locks.entry(volume.clone()).or_default())
+        };
+        lock.lock_owned().await
+    }
+
+    /// Checks the token under the volume lock and makes the new mark durable. Must be called
+    /// with the volume lock held; the change follows while the lock is still held.
+    async fn fence(
+        &self,
+        volume: &VolumeId,
+        token: Option<&Token>,
+        intent: Intent,
+    ) -> Result<(), AgentError> {
+        let mark = self.marks.read(volume)?;
+        match decide(volume, mark.as_ref(), token, intent) {
+            Ok(Some(next)) => {
+                self.marks.write(&self.engine, volume, &next).await?;
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(rejection) => {
+                self.metrics.fence_rejected(rejection.reason());
+                tracing::warn!(%volume, reason = rejection.reason(), "fencing rejected a request: {rejection}");
+                Err(rejection.into())
+            }
+        }
+    }
+
+    /// Creates the volume's backing device (idempotent).
+    pub async fn create_volume(
+        &self,
+        token: Option<Token>,
+        volume: &str,
+        pool: &str,
+        size_bytes: u64,
+    ) -> Result<VolumeInfo, AgentError> {
+        let volume = volume_id(volume)?;
+        let size_bytes = size(size_bytes)?;
+        let backend = self.pool(pool)?;
+        let _lock = self.lock_volume(&volume).await;
+        self.fence(&volume, token.as_ref(), Intent::Create).await?;
+        Ok(backend.create(&volume, size_bytes).await?)
+    }
+
+    /// Grows the volume, and the live namespace if it is exported (`revalidate_size`).
+    pub async fn expand_volume(
+        &self,
+        token: Option<Token>,
+        volume: &str,
+        pool: &str,
+        size_bytes: u64,
+    ) -> Result<VolumeInfo, AgentError> {
+        let volume = volume_id(volume)?;
+        let size_bytes = size(size_bytes)?;
+        let backend = self.pool(pool)?;
+        let _lock = self.lock_volume(&volume).await;
+        self.fence(&volume, token.as_ref(), Intent::Expand).await?;
+        let info = backend.expand(&volume, size_bytes).await?;
+        let guard = self.target.lock().await;
+        let state = self.target.observe(&guard).await?;
+        let nqn = volume.subsystem_nqn();
+        let live = state
+            .subsystem(&nqn)
+            .and_then(|s| s.namespaces.get(&NamespaceId::VOLUME))
+            .is_some_and(|ns| ns.enabled);
+        if live {
+            let ops = plan_revalidate(&state, &nqn, NamespaceId::VOLUME).map_err(|source| {
+                AgentError::Plan {
+                    volume: volume.to_string(),
+                    source,
+                }
+            })?;
+            self.target.apply(&guard, ops).await?;
+        }
+        Ok(info)
+    }
+
+    /// Deletes the volume's backing device and ends its lifecycle. Refused while exported.
+    pub async fn delete_volume(
+        &self,
+        token: Option<Token>,
+        volume: &str,
+        pool: &str,
+    ) -> Result<(), AgentError> {
+        let volume = volume_id(volume)?;
+        let backend = self.pool(pool)?;
+        let _lock = self.lock_volume(&volume).await;
+        // Reject stale requests before revealing anything about the volume.
+        decide(
+            &volume,
+            self.marks.read(&volume)?.as_ref(),
+            token.as_ref(),
+            Intent::Delete,
+        )?;
+        {
+            let guard = self.target.lock().await;
+            if self
+                .target
+                .observe(&guard)
+                .await?
+                .subsystem(&volume.subsystem_nqn())
+                .is_some()
+            {
+                return Err(AgentError::StillExported {
+                    volume: volume.to_string(),
+                });
+            }
+        }
+        self.fence(&volume, token.as_ref(), Intent::Delete).await?;
+        Ok(backend.delete(&volume).await?)
+    }
+
+    async fn ensure_serving(&self) -> Result<(), AgentError> {
+        match *self.readiness.read().await {
+            Readiness::Serving => Ok(()),
+            Readiness::WaitingForResync => Err(AgentError::WaitingForResync),
+        }
+    }
+
+    /// Exports the volume with the complete desired ACL.
+    pub async fn export(&self, request: ExportRequest) -> Result<Exported, AgentError> {
+        self.ensure_serving().await?;
+        self.export_unchecked(request, Intent::Export).await
+    }
+
+    async fn export_unchecked(
+        &self,
+        request: ExportRequest,
+        intent: Intent,
+    ) -> Result<Exported, AgentError> {
+        let volume = volume_id(&request.volume)?;
+        let service = service(request.protocol.service)?;
+        let hosts = request
+            .allowed_hosts
+            .iter()
+            .map(|h| host_nqn(h))
+            .collect::<Result<BTreeSet<_>, _>>()?;
+        let backend = self.pool(&request.pool)?;
+        let _lock = self.lock_volume(&volume).await;
+        decide(
+            &volume,
+            self.marks.read(&volume)?.as_ref(),
+            request.token.as_ref(),
+            intent,
+        )?;
+        let info = backend
+            .lookup(&volume)
+            .await?
+            .ok_or_else(|| AgentError::VolumeNotFound {
+                volume: volume.to_string(),
+                pool: request.pool.clone(),
+            })?;
+        let access = if request.protocol.acl {
+            HostAccess::Only(hosts)
+        } else {
+            HostAccess::AnyHost
+        };
+        let address = SocketAddr::new(self.settings.nvme_address, service);
+        let ports = [(PortId::new(service), PortSpec::tcp(address))]
+            .into_iter()
+            .collect();
+        let mut spec = volume_export(&volume, info.device_path, access, ports);
+        if let Some(record) = self.target.identity_record(&volume)? {
+            apply_record(&mut spec, &record);
+        }
+        let guard = self.target.lock().await;
+        let state = self.target.observe(&guard).await?;
+        let plan = plan_export(&state, &spec).map_err(|source| AgentError::Plan {
+            volume: volume.to_string(),
+            source,
+        })?;
+        let adopted = !plan.adoptions.is_empty();
+        if adopted {
+            let record = record_of(&plan.effective);
+            tracing::warn!(%volume, ?plan.adoptions, "live export has a non-derived identity; keeping and recording it");
+            self.target.record_identity(&volume, &record).await?;
+        }
+        self.fence(&volume, request.token.as_ref(), intent).await?;
+        let ops = if self.settings.kernel_random_identity {
+            strip_identity(plan.ops)
+        } else {
+            plan.ops
+        };
+        self.target.apply(&guard, ops).await?;
+        let after = self.target.observe(&guard).await?;
+        if !self.settings.kernel_random_identity {
+            verify(&after, &plan.effective)?;
+        }
+        tracing::info!(%volume, nqn = %spec.nqn, adopted, "exported");
+        Ok(Exported {
+            nqn: spec.nqn,
+            address,
+            identity_adopted: adopted,
+        })
+    }
+
+    /// Removes the export and everything only it used; forgets an adopted identity.
+    pub async fn unexport(&self, token: Option<Token>, volume: &str) -> Result<(), AgentError> {
+        let volume = volume_id(volume)?;
+        let _lock = self.lock_volume(&volume).await;
+        self.fence(&volume, token.as_ref(), Intent::Unexport)
+            .await?;
+        let nqn = volume.subsystem_nqn();
+        let guard = self.target.lock().await;
+        let state = self.target.observe(&guard).await?;
+        let ops = plan_unexport(&state, &nqn).map_err(|source| AgentError::Plan {
+            volume: volume.to_string(),
+            source,
+        })?;
+        self.target.apply(&guard, ops).await?;
+        if self.target.observe(&guard).await?.subsystem(&nqn).is_some() {
+            return Err(AgentError::Verify(pillar_nvmet::VerifyError {
+                nqn: nqn.to_string(),
+                mismatches: vec![pillar_nvmet::Mismatch {
+                    what: "subsystem".into(),
+                    expected: "absent".into(),
+                    found: "present".into(),
+                }],
+            }));
+        }
+        self.target.forget_identity(&volume).await?;
+        tracing::info!(%volume, "unexported");
+        Ok(())
+    }
+
+    /// Admits a host (with `acl`; without it any host is admitted already).
+    pub async fn grant(
+        &self,
+        token: Option<Token>,
+        volume: &str,
+        host: &str,
+    ) -> Result<(), AgentError> {
+        self.ensure_serving().await?;
+        self.change_acl(token, volume, host, Intent::Grant).await
+    }
+
+    /// Removes a host from the ACL and cuts its live connections.
+    pub async fn revoke(
+        &self,
+        token: Option<Token>,
+        volume: &str,
+        host: &str,
+    ) -> Result<(), AgentError> {
+        self.change_acl(token, volume, host, Intent::Revoke).await
+    }
+
+    async fn change_acl(
+        &self,
+        token: Option<Token>,
+        volume: &str,
+        host: &str,
+        intent: Intent,
+    ) -> Result<(), AgentError> {
+        let volume = volume_id(volume)?;
+        let host = host_nqn(host)?;
+        let _lock = self.lock_volume(&volume).await;
+        decide(
+            &volume,
+            self.marks.read(&volume)?.as_ref(),
+            token.as_ref(),
+            intent,
+        )?;
+        let nqn = volume.subsystem_nqn();
+        let guard = self.target.lock().await;
+        let state = self.target.observe(&guard).await?;
+        let Some(mut spec) = spec_from_observed(&state, &nqn) else {
+            if intent == Intent::Revoke {
+                // Nothing exported: nobody can reach the volume through this node.
+                self.fence(&volume, token.as_ref(), intent).await?;
+                return Ok(());
+            }
+            return Err(AgentError::NotExported {
+                volume: volume.to_string(),
+            });
+        };
+        self.fence(&volume, token.as_ref(), intent).await?;
+        let HostAccess::Only(hosts) = &mut spec.access else {
+            // acl: false. Any host may connect; the controller's publication record is the only
+            // guard, and cutting connections would not keep anyone out.
+            return Ok(());
+        };
+        match intent {
+            Intent::Grant => {
+                hosts.insert(host.clone());
+            }
+            _ => {
+                hosts.remove(&host);
+            }
+        }
+        let plan = plan_export(&state, &spec).map_err(|source| AgentError::Plan {
+            volume: volume.to_string(),
+            source,
+        })?;
+        self.target.apply(&guard, plan.ops).await?;
+        if intent == Intent::Revoke {
+            // Removing the host from allowed_hosts stops new connections only; unlinking the
+            // subsystem from its ports deletes its controllers, and only allowed hosts reconnect.
+            let cut = plan_cut_connections(&self.target.observe(&guard).await?, &nqn);
+            self.target.apply(&guard, cut).await?;
+        }
+        verify(&self.target.observe(&guard).await?, &plan.effective)?;
+        tracing::info!(%volume, %host, ?intent, "ACL changed");
+        Ok(())
+    }
+
+    /// Applies the controller's complete export state of this node, then starts serving.
+    pub async fn resync(
+        &self,
+        exports: Vec<ExportRequest>,
+    ) -> Result<(Vec<ResyncOutcome>, Vec<String>), AgentError> {
+        let listed: BTreeSet<String> = exports.iter().map(|e| e.volume.clone()).collect();
+        let mut outcomes = Vec::with_capacity(exports.len());
+        for request in exports {
+            let volume = request.volume.clone();
+            let result = self.export_unchecked(request, Intent::Resync).await;
+            if let Err(e) = &result {
+                tracing::warn!(volume, error = %e, "resync of one export failed");
+            }
+            outcomes.push(ResyncOutcome { volume, result });
+        }
+        let unlisted = {
+            let guard = self.target.lock().await;
+            let state = self.target.observe(&guard).await?;
+            state
+                .subsystems
+                .keys()
+                .filter_map(|name| SubsystemNqn::parse(name).ok()?.volume_id().ok())
+                .map(|v| v.to_string())
+                .filter(|v| !listed.contains(v))
+                .collect::<Vec<_>>()
+        };
+        *self.readiness.write().await = Readiness::Serving;
+        tracing::info!(
+            exports = outcomes.len(),
+            unlisted = unlisted.len(),
+            "resync complete; serving"
+        );
+        Ok((outcomes, unlisted))
+    }
+
+    /// Volumes of one pool, or of all pools when `pool` is empty.
+    pub async fn list_volumes(&self, pool: &str) -> Result<Vec<(String, VolumeInfo)>, AgentError> {
+        let mut out = Vec::new();
+        for (name, backend) in &self.pools {
+            if pool.is_empty() || pool == name {
+                out.extend(backend.list().await?.into_iter().map(|v| (name.clone(), v)));
+            }
+        }
+        if !pool.is_empty() && !self.pools.contains_key(pool) {
+            return Err(AgentError::UnknownPool {
+                pool: pool.to_owned(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// pillar's exports on this node.
+    pub async fn list_exports(&self) -> Result<Vec<ExportSummary>, AgentError> {
+        let guard = self.target.lock().await;
+        let state = self.target.observe(&guard).await?;
+        let mut out = Vec::new();
+        for (name, sub) in &state.subsystems {
+            let Some(volume) = SubsystemNqn::parse(name)
+                .ok()
+                .and_then(|n| n.volume_id().ok())
+            else {
+                continue;
+            };
+            let ns = sub.namespaces.get(&NamespaceId::VOLUME);
+            out.push(ExportSummary {
+                volume,
+                nqn: name.clone(),
+                device_path: ns
+                    .and_then(|n| n.device_path.as_ref())
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                acl: !sub.allow_any_host,
+                allowed_hosts: sub.allowed_hosts.iter().cloned().collect(),
+                services: state
+                    .ports_linking(name)
+                    .filter_map(|p| state.ports.get(&p)?.trsvcid.parse().ok())
+                    .collect(),
+                enabled: ns.is_some_and(|n| n.enabled),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Capacity of a pool.
+    pub async fn capacity(&self, pool: &str) -> Result<Capacity, AgentError> {
+        Ok(self.pool(pool)?.capacity().await?)
+    }
+}
+
+fn apply_record(spec: &mut ExportSpec, record: &IdentityRecord) {
+    if let (Ok(id), Some(ns)) = (
+        record.namespace(),
+        spec.namespaces.get_mut(&NamespaceId::VOLUME),
+    ) {
+        ns.identity = id;
+    }
+    if let Ok(serial) = pillar_nvmet::Serial::parse(&record.serial) {
+        spec.serial = serial;
+    }
+}
+
+fn record_of(effective: &ExportSpec) -> IdentityRecord {
+    let ns = effective.namespaces.get(&NamespaceId::VOLUME);
+    IdentityRecord {
+        uuid: ns.map(|n| n.identity.uuid.to_string()).unwrap_or_default(),
+        nguid: ns.map(|n| n.identity.nguid.to_string()).unwrap_or_default(),
+        serial: effective.serial.to_string(),
+    }
+}
+
+/// Drops identity writes from a plan (the test-only kernel-random mode).
+fn strip_identity(ops: Vec<pillar_nvmet::Op>) -> Vec<pillar_nvmet::Op> {
+    ops.into_iter()
+        .filter(|op| {
+            !matches!(op, pillar_nvmet::Op::Write { path, .. }
+                if path.file_name().is_some_and(|n| n == "device_uuid" || n == "device_nguid" || n == "attr_serial"))
+        })
+        .collect()
+}
