@@ -96,11 +96,11 @@ async fn only_the_authorised_controller_may_call() {
 
     let mut good = None;
     for _ in 0..100 {
-        if let Ok(mut c) = client(addr, &pki, Some("controller.pillar.test")).await {
-            if c.health(api::HealthRequest {}).await.is_ok() {
-                good = Some(c);
-                break;
-            }
+        if let Ok(mut c) = client(addr, &pki, Some("controller.pillar.test")).await
+            && c.health(api::HealthRequest {}).await.is_ok()
+        {
+            good = Some(c);
+            break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
