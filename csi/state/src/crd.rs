@@ -1,0 +1,332 @@
+//! The three custom resources pillar keeps in the Kubernetes API (or, in single-machine mode, in
+//! the [`EmbeddedStore`](crate::embedded::EmbeddedStore)): `PillarVolumeState`, `PillarAgent` and
+//! `PillarProtocol`, all cluster-scoped in the group `pillar-csi.io`, version `v1alpha1`.
+//!
+//! Short names are chosen not to clash with core Kubernetes ones (`pv`, `pvc`, `po`, `no`, `ns`,
+//! `sc`, ...): `pillarvol`, `pillaragent`, `pillarproto`.
+
+use std::collections::BTreeMap;
+
+use kube::{CustomResource, CustomResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The API group of every pillar resource.
+pub const GROUP: &str = "pillar-csi.io";
+/// The API version of every pillar resource.
+pub const VERSION: &str = "v1alpha1";
+/// `apiVersion` as it appears in objects.
+pub const API_VERSION: &str = "pillar-csi.io/v1alpha1";
+
+// The object's `metadata.uid` names one lifecycle of the volume name (F2, F3): a volume deleted
+// and re-created under the same name gets a new UID, and every compare-and-swap on the status is
+// pinned to the UID the operation started with.
+/// Where a volume was provisioned and how it is presented.
+// clippy reads repeated `type_ = ".."` inside separate `printcolumn(..)` groups as duplicates.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "pillar-csi.io",
+    version = "v1alpha1",
+    kind = "PillarVolumeState",
+    plural = "pillarvolumestates",
+    shortname = "pillarvol",
+    status = "PillarVolumeStateStatus",
+    derive = "PartialEq",
+    doc = "One pillar volume: where it lives, and every node it is published to",
+    printcolumn(name = "Agent", type_ = "string", json_path = ".spec.agent"),
+    printcolumn(name = "Size", type_ = "integer", json_path = ".spec.sizeBytes"),
+    printcolumn(
+        name = "Nodes",
+        type_ = "string",
+        description = "nodes the volume is published to",
+        json_path = ".status.publishedNodes[*].node"
+    ),
+    printcolumn(
+        name = "Generation",
+        type_ = "integer",
+        description = "publication generation (fencing token)",
+        json_path = ".status.publicationGeneration"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PillarVolumeStateSpec {
+    /// The CSI volume ID.
+    pub volume_id: String,
+    /// Name of the `PillarAgent` (storage node) holding the volume.
+    pub agent: String,
+    /// Pool on that agent.
+    pub pool: String,
+    /// Provisioned size in bytes.
+    pub size_bytes: u64,
+    /// The access mode the volume was provisioned for.
+    pub access_mode: AccessMode,
+    /// Filesystem or raw block.
+    pub volume_mode: VolumeMode,
+    /// Name of the `PillarProtocol` the volume is exported with.
+    pub protocol: String,
+    /// StorageClass parameters the volume was created with.
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+// W3: RWX is rejected at provisioning, so no record can carry it.
+/// CSI access modes pillar accepts. RWX (`MULTI_NODE_MULTI_WRITER`) is deliberately absent: it is
+/// rejected when a volume is provisioned, so no record can ever carry it.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum AccessMode {
+    /// `SINGLE_NODE_WRITER` (RWO).
+    SingleNodeWriter,
+    /// `SINGLE_NODE_SINGLE_WRITER` (RWOP).
+    SingleNodeSingleWriter,
+    /// `SINGLE_NODE_MULTI_WRITER`.
+    SingleNodeMultiWriter,
+    /// `SINGLE_NODE_READER_ONLY`.
+    SingleNodeReaderOnly,
+    /// `MULTI_NODE_READER_ONLY` (ROX).
+    MultiNodeReaderOnly,
+    /// `MULTI_NODE_SINGLE_WRITER`.
+    MultiNodeSingleWriter,
+}
+
+impl AccessMode {
+    /// Whether the mode lets more than one node hold the volume at once.
+    pub fn is_multi_node(self) -> bool {
+        matches!(
+            self,
+            Self::MultiNodeReaderOnly | Self::MultiNodeSingleWriter
+        )
+    }
+}
+
+/// How the volume is presented to workloads.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum VolumeMode {
+    /// A filesystem, formatted on first stage.
+    Filesystem,
+    /// The raw block device.
+    Block,
+}
+
+/// The status subresource of a `PillarVolumeState`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PillarVolumeStateStatus {
+    // W1: written before the agent is asked to grant access; W4: removed only after the agent
+    // confirms the revoke.
+    /// Every node the volume is published to. A record is written before the node is granted
+    /// access and removed only after the grant is confirmed revoked.
+    #[serde(default)]
+    pub published_nodes: Vec<PublishedNode>,
+    // F2: with metadata.uid this is the fencing token.
+    /// Counter the controller increments by compare-and-swap for each operation; with the
+    /// object's UID it is the fencing token sent to the agent.
+    #[serde(default)]
+    pub publication_generation: u64,
+}
+
+/// One publication record.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedNode {
+    /// Kubernetes node name (the CSI node ID).
+    pub node: String,
+    /// The node's NVMe host NQN.
+    pub host_nqn: String,
+    /// The access mode of this publication.
+    pub access_mode: AccessMode,
+    /// Whether it was published read-only.
+    #[serde(default)]
+    pub readonly: bool,
+    /// An unpublish has started and the revoke is not yet confirmed.
+    #[serde(default)]
+    pub revoking: bool,
+}
+
+impl PillarVolumeState {
+    /// The status, or the empty status when none was ever written.
+    pub fn status_or_default(&self) -> PillarVolumeStateStatus {
+        self.status.clone().unwrap_or_default()
+    }
+}
+
+/// One storage node's agent.
+// clippy reads repeated `type_ = ".."` inside separate `printcolumn(..)` groups as duplicates.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "pillar-csi.io",
+    version = "v1alpha1",
+    kind = "PillarAgent",
+    plural = "pillaragents",
+    shortname = "pillaragent",
+    derive = "PartialEq",
+    doc = "One storage node's pillar agent",
+    printcolumn(name = "Node", type_ = "string", json_path = ".spec.node"),
+    printcolumn(name = "Address", type_ = "string", json_path = ".spec.address"),
+    printcolumn(name = "NVMe", type_ = "string", json_path = ".spec.nvmeAddress"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PillarAgentSpec {
+    /// The Kubernetes node the agent runs on.
+    pub node: String,
+    /// Where the controller reaches the agent's gRPC API: `host:port` or `unix:///path`.
+    pub address: String,
+    /// TLS for the gRPC connection; absent means plaintext (only sensible for `unix://`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<AgentTls>,
+    /// Storage pools the agent offers.
+    #[serde(default)]
+    pub pools: Vec<PoolRef>,
+    /// The address hosts connect to over NVMe/TCP.
+    pub nvme_address: String,
+}
+
+/// TLS settings for talking to an agent.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTls {
+    /// The name the agent's certificate must carry.
+    pub server_name: String,
+    /// Path (on the controller) of the PEM bundle of CAs that sign the agent's certificate.
+    pub ca_bundle_path: String,
+}
+
+/// A storage pool on an agent.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolRef {
+    /// Pool name, unique on its agent.
+    pub name: String,
+    /// Backend kind (for example `lvm` or `file`).
+    pub kind: String,
+}
+
+/// How volumes are exported and attached.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "pillar-csi.io",
+    version = "v1alpha1",
+    kind = "PillarProtocol",
+    plural = "pillarprotocols",
+    shortname = "pillarproto",
+    derive = "PartialEq",
+    doc = "How pillar exports volumes and how nodes attach them",
+    printcolumn(name = "Port", type_ = "integer", json_path = ".spec.nvmeTcp.port"),
+    printcolumn(name = "ACL", type_ = "boolean", json_path = ".spec.nvmeTcp.acl"),
+    printcolumn(name = "FS", type_ = "string", json_path = ".spec.nvmeTcp.fsType"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PillarProtocolSpec {
+    /// NVMe over TCP settings.
+    #[serde(default)]
+    pub nvme_tcp: NvmeTcp,
+}
+
+/// NVMe/TCP export and connect settings.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NvmeTcp {
+    /// Target port (`trsvcid`).
+    #[serde(default = "default_port")]
+    pub port: u16,
+    // W6.
+    /// `true`: the subsystem admits only the host NQNs of published nodes. `false` (default):
+    /// `allow_any_host`, so any host that can reach the port can connect.
+    #[serde(default)]
+    pub acl: bool,
+    /// `ctrl_loss_tmo` in seconds passed at connect; default 600, the kernel's and nvme-cli's own
+    /// default. `-1` reconnects forever.
+    #[serde(default = "default_ctrl_loss_tmo")]
+    pub ctrl_loss_tmo: i32,
+    /// `reconnect_delay` in seconds passed at connect; default 10, the kernel's default.
+    #[serde(default = "default_reconnect_delay")]
+    pub reconnect_delay: u32,
+    /// Filesystem for `Filesystem` volumes.
+    #[serde(default)]
+    pub fs_type: FsType,
+    /// Extra arguments for `mkfs`.
+    #[serde(default)]
+    pub mkfs_options: Vec<String>,
+}
+
+/// Filesystems pillar formats.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum FsType {
+    /// ext4 (the default).
+    #[default]
+    Ext4,
+    /// XFS.
+    Xfs,
+}
+
+impl FsType {
+    /// The name `mkfs.<name>` and `mount -t` use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ext4 => "ext4",
+            Self::Xfs => "xfs",
+        }
+    }
+}
+
+/// Default NVMe/TCP port.
+pub const DEFAULT_NVME_TCP_PORT: u16 = 4420;
+/// Default `ctrl_loss_tmo` (seconds).
+pub const DEFAULT_CTRL_LOSS_TMO: i32 = 600;
+/// Default `reconnect_delay` (seconds).
+pub const DEFAULT_RECONNECT_DELAY: u32 = 10;
+
+fn default_port() -> u16 {
+    DEFAULT_NVME_TCP_PORT
+}
+fn default_ctrl_loss_tmo() -> i32 {
+    DEFAULT_CTRL_LOSS_TMO
+}
+fn default_reconnect_delay() -> u32 {
+    DEFAULT_RECONNECT_DELAY
+}
+
+impl Default for NvmeTcp {
+    fn default() -> Self {
+        Self {
+            port: DEFAULT_NVME_TCP_PORT,
+            acl: false,
+            ctrl_loss_tmo: DEFAULT_CTRL_LOSS_TMO,
+            reconnect_delay: DEFAULT_RECONNECT_DELAY,
+            fs_type: FsType::Ext4,
+            mkfs_options: Vec::new(),
+        }
+    }
+}
+
+/// The three CustomResourceDefinitions as one multi-document YAML stream, as `crdgen` prints it
+/// and as `deploy/crds.yaml` holds it.
+pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
+    let mut out = String::new();
+    for crd in [
+        PillarVolumeState::crd(),
+        PillarAgent::crd(),
+        PillarProtocol::crd(),
+    ] {
+        out.push_str("---\n");
+        out.push_str(&serde_yaml::to_string(&crd)?);
+    }
+    Ok(out)
+}

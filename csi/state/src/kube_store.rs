@@ -1,0 +1,335 @@
+//! [`KubeStore`]: the [`StateStore`] over the Kubernetes API, through kube-rs.
+//!
+//! Request shapes (what the API server enforces, and what the test double checks):
+//! - create: `POST /apis/pillar-csi.io/v1alpha1/<plural>` with the object (no status: the server
+//!   drops it anyway). 409 `AlreadyExists` -> [`StoreError::AlreadyExists`].
+//! - status write: `PUT .../pillarvolumestates/<name>/status` whose body carries
+//!   `metadata.uid` (a UID precondition on the real server) and `metadata.resourceVersion` (the
+//!   optimistic lock). 409 with a UID precondition message -> [`StoreError::UidMismatch`], other
+//!   409 -> [`StoreError::Conflict`], 404 -> [`StoreError::NotFound`].
+//! - spec write: `GET` then `PUT .../<plural>/<name>` of the object read, with the new spec and
+//!   the expected uid and resourceVersion, so labels and annotations survive and the write is
+//!   still conditional on the expected revision.
+//! - delete: `DELETE .../<plural>/<name>` with `DeleteOptions.preconditions` `{uid,
+//!   resourceVersion}`.
+
+use std::fmt;
+
+use async_trait::async_trait;
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::core::Status;
+
+use crate::crd::{
+    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
+    PillarVolumeStateSpec, PillarVolumeStateStatus,
+};
+use crate::store::{PillarObject, Revision, StateStore, StoreError, validate_name};
+
+/// The [`StateStore`] backed by the Kubernetes API.
+#[derive(Clone)]
+pub struct KubeStore {
+    client: kube::Client,
+}
+
+impl fmt::Debug for KubeStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KubeStore")
+            .field("default_namespace", &self.client.default_namespace())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What an API failure means for one operation.
+#[derive(Clone, Copy)]
+enum Verb {
+    Get,
+    List,
+    Create,
+    Replace,
+    ReplaceStatus,
+    Delete,
+}
+
+impl Verb {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Get => "get",
+            Self::List => "list",
+            Self::Create => "create",
+            Self::Replace => "replace",
+            Self::ReplaceStatus => "replace the status of",
+            Self::Delete => "delete",
+        }
+    }
+}
+
+/// Whether a 409's message is the API server's UID precondition failure. Two texts exist:
+/// `rest.BeforeDelete` says "the UID in the precondition (..) does not match the UID in record
+/// (..)", the storage layer says "Precondition failed: UID in precondition: .., UID in object
+/// meta: ..".
+fn is_uid_precondition_failure(status: &Status) -> bool {
+    status.message.contains("UID in the precondition")
+        || status.message.contains("UID in precondition")
+}
+
+/// Whether a 404 says that this object is absent, as opposed to the resource type (a CRD not
+/// installed, a wrong path) or a proxy answering 404. Only the former may read as "no such
+/// volume": a missing CRD must fail closed rather than look like an empty store. The registry's
+/// NotFound names the object in `details.name`.
+fn is_object_not_found(status: &Status, name: &str) -> bool {
+    status.is_not_found()
+        && !name.is_empty()
+        && status.details.as_ref().is_some_and(|d| d.name == name)
+}
+
+impl KubeStore {
+    /// A store using `client` (cluster-scoped requests; the client's namespace is not used).
+    pub fn new(client: kube::Client) -> Self {
+        Self { client }
+    }
+
+    fn api<K: PillarObject>(&self) -> Api<K> {
+        Api::all(self.client.clone())
+    }
+
+    fn map_err<K: PillarObject>(
+        verb: Verb,
+        name: &str,
+        expected: Option<&Revision>,
+        err: kube::Error,
+    ) -> StoreError {
+        let name = name.to_owned();
+        match err {
+            kube::Error::Api(status) => {
+                if is_object_not_found(&status, &name) {
+                    StoreError::NotFound {
+                        kind: K::KIND,
+                        name,
+                    }
+                } else if status.is_already_exists() && matches!(verb, Verb::Create) {
+                    StoreError::AlreadyExists {
+                        kind: K::KIND,
+                        name,
+                    }
+                } else if status.is_conflict() && is_uid_precondition_failure(&status) {
+                    StoreError::UidMismatch {
+                        kind: K::KIND,
+                        name,
+                        expected: expected.map(|e| e.uid.clone()).unwrap_or_default(),
+                        message: status.message,
+                    }
+                } else if status.is_conflict() && expected.is_some() {
+                    StoreError::Conflict {
+                        kind: K::KIND,
+                        name,
+                        expected: expected
+                            .map(|e| e.resource_version.clone())
+                            .unwrap_or_default(),
+                        message: status.message,
+                    }
+                } else {
+                    StoreError::Refused {
+                        verb: verb.as_str(),
+                        kind: K::KIND,
+                        name,
+                        source: status,
+                    }
+                }
+            }
+            source => StoreError::Kube {
+                verb: verb.as_str(),
+                kind: K::KIND,
+                name,
+                source,
+            },
+        }
+    }
+
+    async fn get<K: PillarObject>(&self, name: &str) -> Result<Option<K>, StoreError> {
+        validate_name(K::KIND, name)?;
+        match self.api::<K>().get(name).await {
+            Ok(obj) => Ok(Some(obj)),
+            Err(e) => match Self::map_err::<K>(Verb::Get, name, None, e) {
+                StoreError::NotFound { .. } => Ok(None),
+                other => Err(other),
+            },
+        }
+    }
+
+    async fn list<K: PillarObject>(&self) -> Result<Vec<K>, StoreError> {
+        let mut items = self
+            .api::<K>()
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| Self::map_err::<K>(Verb::List, "", None, e))?
+            .items;
+        items.sort_by(|a, b| a.meta().name.cmp(&b.meta().name));
+        Ok(items)
+    }
+
+    async fn create<K: PillarObject>(&self, name: &str, spec: K::Spec) -> Result<K, StoreError> {
+        validate_name(K::KIND, name)?;
+        let obj = K::build(name, spec);
+        let created = self
+            .api::<K>()
+            .create(&PostParams::default(), &obj)
+            .await
+            .map_err(|e| Self::map_err::<K>(Verb::Create, name, None, e))?;
+        tracing::debug!(kind = K::KIND, name, uid = ?created.meta().uid, "created");
+        Ok(created)
+    }
+
+    async fn replace_spec<K: PillarObject>(
+        &self,
+        name: &str,
+        expected: &Revision,
+        spec: K::Spec,
+    ) -> Result<K, StoreError> {
+        validate_name(K::KIND, name)?;
+        let mut obj = self
+            .get::<K>(name)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                kind: K::KIND,
+                name: name.to_owned(),
+            })?;
+        // The PUT below carries `expected`, not what was just read, so it is conditional on the
+        // caller's revision whatever happened in between; reading first only keeps labels and
+        // annotations.
+        obj.set_spec(spec);
+        let meta = obj.meta_mut();
+        meta.uid = Some(expected.uid.clone());
+        meta.resource_version = Some(expected.resource_version.clone());
+        meta.managed_fields = None;
+        self.api::<K>()
+            .replace(name, &PostParams::default(), &obj)
+            .await
+            .map_err(|e| Self::map_err::<K>(Verb::Replace, name, Some(expected), e))
+    }
+
+    async fn delete<K: PillarObject>(
+        &self,
+        name: &str,
+        expected: &Revision,
+    ) -> Result<(), StoreError> {
+        validate_name(K::KIND, name)?;
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(expected.uid.clone()),
+                resource_version: Some(expected.resource_version.clone()),
+            }),
+            ..DeleteParams::default()
+        };
+        self.api::<K>()
+            .delete(name, &dp)
+            .await
+            .map_err(|e| Self::map_err::<K>(Verb::Delete, name, Some(expected), e))?;
+        tracing::debug!(kind = K::KIND, name, uid = %expected.uid, "deleted");
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl StateStore for KubeStore {
+    async fn get_volume(&self, name: &str) -> Result<Option<PillarVolumeState>, StoreError> {
+        self.get(name).await
+    }
+    async fn list_volumes(&self) -> Result<Vec<PillarVolumeState>, StoreError> {
+        self.list().await
+    }
+    async fn create_volume(
+        &self,
+        name: &str,
+        spec: PillarVolumeStateSpec,
+    ) -> Result<PillarVolumeState, StoreError> {
+        self.create::<PillarVolumeState>(name, spec).await
+    }
+    async fn replace_volume_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarVolumeStateStatus,
+    ) -> Result<PillarVolumeState, StoreError> {
+        type K = PillarVolumeState;
+        validate_name(K::KIND, name)?;
+        // Status-only body: the status strategy ignores everything but `status`, and the UID in
+        // metadata is a precondition.
+        let body = serde_json::json!({
+            "apiVersion": crate::crd::API_VERSION,
+            "kind": K::KIND,
+            "metadata": {
+                "name": name,
+                "uid": expected.uid,
+                "resourceVersion": expected.resource_version,
+            },
+            "status": status,
+        });
+        self.api::<K>()
+            .replace_subresource("status", name, &PostParams::default(), &body)
+            .await
+            .map_err(|e| Self::map_err::<K>(Verb::ReplaceStatus, name, Some(expected), e))
+    }
+    async fn replace_volume_spec(
+        &self,
+        name: &str,
+        expected: &Revision,
+        spec: PillarVolumeStateSpec,
+    ) -> Result<PillarVolumeState, StoreError> {
+        self.replace_spec::<PillarVolumeState>(name, expected, spec)
+            .await
+    }
+    async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        self.delete::<PillarVolumeState>(name, expected).await
+    }
+
+    async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {
+        self.get(name).await
+    }
+    async fn list_agents(&self) -> Result<Vec<PillarAgent>, StoreError> {
+        self.list().await
+    }
+    async fn create_agent(
+        &self,
+        name: &str,
+        spec: PillarAgentSpec,
+    ) -> Result<PillarAgent, StoreError> {
+        self.create::<PillarAgent>(name, spec).await
+    }
+    async fn replace_agent_spec(
+        &self,
+        name: &str,
+        expected: &Revision,
+        spec: PillarAgentSpec,
+    ) -> Result<PillarAgent, StoreError> {
+        self.replace_spec::<PillarAgent>(name, expected, spec).await
+    }
+    async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        self.delete::<PillarAgent>(name, expected).await
+    }
+
+    async fn get_protocol(&self, name: &str) -> Result<Option<PillarProtocol>, StoreError> {
+        self.get(name).await
+    }
+    async fn list_protocols(&self) -> Result<Vec<PillarProtocol>, StoreError> {
+        self.list().await
+    }
+    async fn create_protocol(
+        &self,
+        name: &str,
+        spec: PillarProtocolSpec,
+    ) -> Result<PillarProtocol, StoreError> {
+        self.create::<PillarProtocol>(name, spec).await
+    }
+    async fn replace_protocol_spec(
+        &self,
+        name: &str,
+        expected: &Revision,
+        spec: PillarProtocolSpec,
+    ) -> Result<PillarProtocol, StoreError> {
+        self.replace_spec::<PillarProtocol>(name, expected, spec)
+            .await
+    }
+    async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        self.delete::<PillarProtocol>(name, expected).await
+    }
+}

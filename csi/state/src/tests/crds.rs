@@ -1,0 +1,147 @@
+//! The CustomResourceDefinitions and the objects' wire format.
+
+use kube::CustomResourceExt;
+use serde_json::json;
+
+use crate::crd::{
+    AccessMode, PillarAgent, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
+    PillarVolumeStateStatus, PublishedNode, crds_yaml,
+};
+
+#[test]
+fn checked_in_crds_match_the_generated_ones() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/crds.yaml");
+    let checked_in = std::fs::read_to_string(path).expect("deploy/crds.yaml");
+    assert!(
+        checked_in == crds_yaml().unwrap(),
+        "deploy/crds.yaml is stale: regenerate it with \
+         `cargo run -p pillar-state --bin crdgen > deploy/crds.yaml`"
+    );
+}
+
+#[test]
+fn crds_are_cluster_scoped_with_safe_short_names() {
+    // Core short names (kubectl api-resources) that must not be shadowed.
+    let core = [
+        "cs", "cm", "ep", "ev", "limits", "ns", "no", "pvc", "pv", "po", "rc", "quota", "sa",
+        "svc", "crd", "crds", "ds", "deploy", "rs", "sts", "hpa", "cj", "csr", "ing", "netpol",
+        "pdb", "pc", "psp", "sc", "ep", "vol", "agent", "proto",
+    ];
+    for (crd, plural, short) in [
+        (PillarVolumeState::crd(), "pillarvolumestates", "pillarvol"),
+        (PillarAgent::crd(), "pillaragents", "pillaragent"),
+        (PillarProtocol::crd(), "pillarprotocols", "pillarproto"),
+    ] {
+        assert_eq!(crd.spec.group, "pillar-csi.io");
+        assert_eq!(crd.spec.scope, "Cluster");
+        assert_eq!(crd.spec.names.plural, plural);
+        let shorts = crd.spec.names.short_names.clone().unwrap();
+        assert_eq!(shorts, [short]);
+        assert!(shorts.iter().all(|s| !core.contains(&s.as_str())));
+        assert_eq!(crd.spec.versions.len(), 1);
+        assert_eq!(crd.spec.versions[0].name, "v1alpha1");
+    }
+    let vol = PillarVolumeState::crd();
+    let version = &vol.spec.versions[0];
+    assert!(version.subresources.as_ref().unwrap().status.is_some());
+    let columns: Vec<_> = version
+        .additional_printer_columns
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|c| (c.name.as_str(), c.json_path.as_str()))
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            ("Agent", ".spec.agent"),
+            ("Size", ".spec.sizeBytes"),
+            ("Nodes", ".status.publishedNodes[*].node"),
+            ("Generation", ".status.publicationGeneration"),
+            ("Age", ".metadata.creationTimestamp"),
+        ]
+    );
+    for crd in [PillarAgent::crd(), PillarProtocol::crd()] {
+        assert!(
+            crd.spec.versions[0]
+                .subresources
+                .as_ref()
+                .is_none_or(|s| s.status.is_none())
+        );
+    }
+}
+
+#[test]
+fn status_is_camel_case_on_the_wire() {
+    let status = PillarVolumeStateStatus {
+        published_nodes: vec![PublishedNode {
+            node: "n1".into(),
+            host_nqn: "nqn.x".into(),
+            access_mode: AccessMode::MultiNodeReaderOnly,
+            readonly: true,
+            revoking: false,
+        }],
+        publication_generation: 3,
+    };
+    assert_eq!(
+        serde_json::to_value(&status).unwrap(),
+        json!({
+            "publishedNodes": [{
+                "node": "n1", "hostNqn": "nqn.x", "accessMode": "MultiNodeReaderOnly",
+                "readonly": true, "revoking": false
+            }],
+            "publicationGeneration": 3
+        })
+    );
+    // An absent list or counter reads as empty / zero, never as an error.
+    let empty: PillarVolumeStateStatus = serde_json::from_value(json!({})).unwrap();
+    assert_eq!(empty, PillarVolumeStateStatus::default());
+}
+
+#[test]
+fn access_modes_have_no_rwx() {
+    // proves W3: no record can carry MULTI_NODE_MULTI_WRITER
+    let err = serde_json::from_value::<AccessMode>(json!("MultiNodeMultiWriter"));
+    assert!(err.is_err());
+    let schema = serde_json::to_value(PillarVolumeState::crd()).unwrap();
+    let modes = &schema["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["accessMode"]["enum"];
+    assert_eq!(
+        modes,
+        &json!([
+            "SingleNodeWriter",
+            "SingleNodeSingleWriter",
+            "SingleNodeMultiWriter",
+            "SingleNodeReaderOnly",
+            "MultiNodeReaderOnly",
+            "MultiNodeSingleWriter"
+        ])
+    );
+    assert!(AccessMode::MultiNodeReaderOnly.is_multi_node());
+    assert!(!AccessMode::SingleNodeWriter.is_multi_node());
+}
+
+// proves W6's default: acl is off unless the PillarProtocol turns it on
+#[test]
+fn protocol_defaults() {
+    for value in [json!({}), json!({ "nvmeTcp": {} })] {
+        let spec: PillarProtocolSpec = serde_json::from_value(value).unwrap();
+        let t = spec.nvme_tcp;
+        assert_eq!(t.port, 4420);
+        assert!(!t.acl);
+        assert_eq!(t.ctrl_loss_tmo, 600);
+        assert_eq!(t.reconnect_delay, 10);
+        assert_eq!(t.fs_type.as_str(), "ext4");
+        assert!(t.mkfs_options.is_empty());
+    }
+    // The API server applies the same defaults from the schema.
+    let crd = serde_json::to_value(PillarProtocol::crd()).unwrap();
+    let props = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["nvmeTcp"]["properties"];
+    assert_eq!(props["port"]["default"], 4420);
+    assert_eq!(props["acl"]["default"], false);
+    assert_eq!(props["ctrlLossTmo"]["default"], 600);
+    assert_eq!(props["reconnectDelay"]["default"], 10);
+    assert_eq!(props["fsType"]["default"], "ext4");
+    assert_eq!(props["fsType"]["enum"], json!(["ext4", "xfs"]));
+}

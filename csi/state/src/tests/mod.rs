@@ -1,0 +1,9 @@
+//! This crate's tests. Each names the rule it proves (`// proves W1`, ...), see
+//! shared/notes/REQUIREMENTS.md.
+
+mod contract;
+mod crds;
+mod double;
+mod embedded;
+mod race;
+mod shapes;
