@@ -1,0 +1,21 @@
+//! Keys of the CSI `publish_context` and `volume_context` maps pillar fills in the controller
+//! and reads in the node plugin. The volume's namespace identity is never among them: the node
+//! derives it from the NQN (I1).
+
+/// Subsystem NQN of the volume's export.
+pub const NQN: &str = "pillar.io/nqn";
+/// Target address hosts connect to.
+pub const TRADDR: &str = "pillar.io/traddr";
+/// Target TCP service (port).
+pub const TRSVCID: &str = "pillar.io/trsvcid";
+/// Seconds the host keeps retrying a lost controller (-1: forever).
+pub const CTRL_LOSS_TMO: &str = "pillar.io/ctrlLossTmo";
+/// Seconds between reconnect attempts.
+pub const RECONNECT_DELAY: &str = "pillar.io/reconnectDelay";
+/// Filesystem to create on a blank device: `ext4` or `xfs`.
+pub const FS_TYPE: &str = "pillar.io/fsType";
+/// Extra mkfs options, as a JSON array of strings.
+pub const MKFS_OPTIONS: &str = "pillar.io/mkfsOptions";
+/// Only in the single-machine mode on the configfs test double: the local block device to use
+/// instead of an NVMe/TCP connection (no NVMe host exists there).
+pub const LOCAL_DEVICE: &str = "pillar.io/localDevice";
