@@ -143,6 +143,19 @@ impl FileBackend {
         self.blocking(Inner::list).await
     }
 
+    /// Checks that loop devices can be made (`/dev/loop-control` opens read-write) and
+    /// returns the pool's capacity.
+    pub async fn probe(&self) -> Result<Capacity, BackendError> {
+        self.blocking(|inner| {
+            loopdev::check_control().map_err(|source| BackendError::Loop {
+                path: inner.dir.clone(),
+                source,
+            })?;
+            inner.capacity()
+        })
+        .await
+    }
+
     /// Size and free space of the file system holding the pool directory (`statvfs`). Files
     /// are sparse, so volumes may together promise more than is available.
     pub async fn capacity(&self) -> Result<Capacity, BackendError> {

@@ -10,8 +10,10 @@
 //!   `LOOP_CONFIGURE` then fails with `EBUSY`. [`attach`] retries with a fresh index.
 //! - `LOOP_CLR_FD` never detaches while the device is open: it sets `LO_FLAGS_AUTOCLEAR` and
 //!   the kernel detaches at the last close, which for the ioctl's own caller is right after
-//!   the call. [`detach`] therefore waits (briefly) until sysfs shows the device unbound and
-//!   says so when someone else still holds the device open.
+//!   the call (synchronously, in that `close`). [`detach`] therefore waits (briefly) until the
+//!   device no longer holds the same file, and says so when someone else still holds it open.
+//! - A freed index is handed out again at once: "loopN is unbound" is not a test of "our
+//!   detach finished" when other processes bind loop devices.
 //! - `/sys/block/loopN/loop/backing_file` shows the path as the kernel resolved it at bind time,
 //!   with ` (deleted)` appended once the file is unlinked. A path match is confirmed with the
 //!   device and inode numbers from `LOOP_GET_STATUS64` before a device is trusted.
@@ -154,12 +156,21 @@ fn open_rw(path: &Path, extra_flags: libc::c_int) -> io::Result<File> {
         .open(path)
 }
 
+/// Checks that `/dev/loop-control` can be opened read-write (the loop driver is there and
+/// this process may use it).
+pub fn check_control() -> Result<(), LoopError> {
+    open_rw(Path::new(LOOP_CONTROL), 0)
+        .map(drop)
+        .map_err(step("open /dev/loop-control"))
+}
+
 /// Binds a free loop device to `backing` (an open read-write file; the kernel takes its own
 /// reference, so the caller may close it afterwards). `name` is recorded in `lo_file_name`
 /// (truncated to 63 bytes; informational only).
 ///
-/// Asks for direct I/O when `want_direct_io` is set and binds without it if the kernel refuses the
-/// flag with `EINVAL`. Never sets `LO_FLAGS_AUTOCLEAR`.
+/// Asks for direct I/O when `want_direct_io` is set and binds without it if the kernel
+/// refuses the flag with `EINVAL`. Never sets `LO_FLAGS_AUTOCLEAR`. Retries with a fresh index
+/// when another process binds the offered device first (`EBUSY`).
 pub fn attach(backing: &File, name: &Path, want_direct_io: bool) -> Result<Attached, LoopError> {
     let control = open_rw(Path::new(LOOP_CONTROL), 0).map_err(step("open /dev/loop-control"))?;
     let backing_fd = u32::try_from(backing.as_raw_fd()).map_err(|_| LoopError {
@@ -271,11 +282,17 @@ pub fn backing_identity(index: u32) -> Result<(u64, u64), LoopError> {
         .custom_flags(libc::O_CLOEXEC)
         .open(device_path(index))
         .map_err(step("open the loop device"))?;
+    let info = status(&device).map_err(step("LOOP_GET_STATUS64"))?;
+    Ok((info.lo_device, info.lo_inode))
+}
+
+fn status(device: &File) -> io::Result<LoopInfo64> {
     let mut info = LoopInfo64::zeroed();
-    // SAFETY: `device` is an open loop block device owned by this function. LOOP_GET_STATUS64
-    // writes exactly size_of::<LoopInfo64>() bytes through the pointer, which points to a live,
-    // exclusively borrowed #[repr(C)] struct whose layout is asserted against the kernel's
-    // `struct loop_info64` above; every bit pattern is valid for its integer fields.
+    // SAFETY: `device` is an open loop block device borrowed for the whole call.
+    // LOOP_GET_STATUS64 writes exactly size_of::<LoopInfo64>() bytes through the pointer, which
+    // points to a live, exclusively borrowed #[repr(C)] struct whose layout is asserted against
+    // the kernel's `struct loop_info64` above; every bit pattern is valid for its integer
+    // fields.
     let ret = unsafe {
         libc::ioctl(
             device.as_raw_fd(),
@@ -284,9 +301,9 @@ pub fn backing_identity(index: u32) -> Result<(u64, u64), LoopError> {
         )
     };
     if ret < 0 {
-        return Err(step("LOOP_GET_STATUS64")(io::Error::last_os_error()));
+        return Err(io::Error::last_os_error());
     }
-    Ok((info.lo_device, info.lo_inode))
+    Ok(info)
 }
 
 /// What [`detach`] achieved.
@@ -304,15 +321,34 @@ pub enum Detach {
     Busy,
 }
 
-/// Unbinds loop device `index`, waiting up to `wait` for the kernel to finish.
+/// Unbinds loop device `index`, waiting up to `wait` in all for exclusive holders to let go
+/// and for the kernel to finish.
+///
+/// Completion is judged by the backing file's identity, not by the index being free: another
+/// process may bind the freed index at once.
 pub fn detach(index: u32, wait: Duration) -> Result<Detach, LoopError> {
+    let deadline = Instant::now() + wait;
     // O_EXCL on a block device fails with EBUSY while anyone holds it exclusively; then a
-    // LOOP_CLR_FD would only arm a deferred detach under a mounted file system.
-    let device = match open_rw(&device_path(index), libc::O_EXCL) {
-        Ok(device) => device,
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => return Ok(Detach::Busy),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Detach::NotBound),
-        Err(e) => return Err(step("open the loop device")(e)),
+    // LOOP_CLR_FD would only arm a deferred detach under a mounted file system. Short
+    // exclusive holds happen (a process forked while some thread had the device open keeps
+    // that descriptor until it execs), so EBUSY is retried until the deadline.
+    let device = loop {
+        match open_rw(&device_path(index), libc::O_EXCL) {
+            Ok(device) => break device,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                if Instant::now() >= deadline {
+                    return Ok(Detach::Busy);
+                }
+                thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Detach::NotBound),
+            Err(e) => return Err(step("open the loop device")(e)),
+        }
+    };
+    let bound_to = match status(&device) {
+        Ok(info) => (info.lo_device, info.lo_inode),
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(Detach::NotBound),
+        Err(e) => return Err(step("LOOP_GET_STATUS64")(e)),
     };
     // SAFETY: `device` is an open loop block device owned by this function; LOOP_CLR_FD takes
     // no argument (the 0 is ignored) and touches no memory of this process.
@@ -324,12 +360,18 @@ pub fn detach(index: u32, wait: Duration) -> Result<Detach, LoopError> {
         }
         return Err(step("LOOP_CLR_FD")(e));
     }
-    // The kernel detaches at the last close; ours is this one.
+    // The kernel detaches at the last close; ours is this one unless someone else has the
+    // device open.
     drop(device);
-    let deadline = Instant::now() + wait;
     loop {
-        if !is_bound(index) {
-            return Ok(Detach::Done);
+        match backing_identity(index) {
+            Ok(identity) if identity == bound_to => {}
+            // Unbound, or already bound again to another file.
+            Ok(_) => return Ok(Detach::Done),
+            Err(e) if matches!(e.source.raw_os_error(), Some(libc::ENXIO | libc::ENOENT)) => {
+                return Ok(Detach::Done);
+            }
+            Err(e) => return Err(e),
         }
         if Instant::now() >= deadline {
             return Ok(Detach::Deferred);

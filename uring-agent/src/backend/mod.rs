@@ -212,7 +212,7 @@ impl Backend {
     /// [`round_size`]: Self::round_size
     pub async fn probe(&self) -> Result<Capacity, BackendError> {
         match self {
-            Self::File(b) => b.capacity().await,
+            Self::File(b) => b.probe().await,
             Self::Lvm(b) => b.probe().await,
             Self::Zfs(b) => b.capacity().await,
         }

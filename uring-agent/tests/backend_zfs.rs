@@ -1,0 +1,368 @@
+//! The ZFS backend against a scripted `zfs`: every test states the exact argv of each call and
+//! answers as OpenZFS 2.x does in scripting mode (`-H`: tab-separated, no header; `-p`: exact
+//! byte counts; `-` for an unset user property) and with its error messages.
+
+#![allow(clippy::unwrap_used)]
+
+use std::error::Error as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pillar_agent::backend::{
+    Backend, BackendError, CommandError, CommandRunner, PoolConfig, PoolKind, Reply,
+    ScriptedRunner, ZfsBackend,
+};
+use pillar_nvmet::VolumeId;
+
+const GIB: u64 = 1 << 30;
+
+const LIST: [&str; 9] = [
+    "list",
+    "-Hp",
+    "-o",
+    "name,volsize,io.pillar-csi:owner",
+    "-t",
+    "volume",
+    "-d",
+    "1",
+    "tank/pillar",
+];
+
+fn ok(stdout: &str) -> Reply {
+    Reply::Stdout(stdout.to_owned())
+}
+
+fn vol(id: &str) -> VolumeId {
+    VolumeId::parse(id).unwrap()
+}
+
+struct Fixture {
+    runner: Arc<ScriptedRunner>,
+    backend: Backend,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let runner = Arc::new(ScriptedRunner::new());
+        let dyn_runner: Arc<dyn CommandRunner> = runner.clone();
+        let backend = ZfsBackend::new("zpool", "tank/pillar", dyn_runner)
+            .unwrap()
+            .with_device_wait(None);
+        Self {
+            runner,
+            backend: Backend::Zfs(backend),
+        }
+    }
+
+    fn expect(&self, args: &[&str], reply: Reply) -> &Self {
+        self.runner.expect("zfs", args, reply);
+        self
+    }
+
+    fn done(&self) {
+        assert_eq!(self.runner.remaining(), 0, "scripted calls left over");
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.done();
+        }
+    }
+}
+
+// Requirement (issue 3 item 6): sizes are rounded to the zvol block size (16 KiB).
+#[tokio::test]
+async fn create_rounds_to_16k_and_makes_a_marked_thick_zvol() {
+    let f = Fixture::new();
+    assert_eq!(f.backend.kind_name(), "zfs");
+    assert_eq!(f.backend.round_size(10_000), 16_384);
+    f.expect(&LIST, ok("tank/pillar/other\t1073741824\t-\n"))
+        .expect(
+            &[
+                "create",
+                "-V",
+                "1073758208",
+                "-o",
+                "volmode=dev",
+                "-o",
+                "io.pillar-csi:owner=pillar",
+                "tank/pillar/pvc-1",
+            ],
+            ok(""),
+        );
+    let info = f.backend.create(&vol("pvc-1"), GIB + 1).await.unwrap();
+    assert_eq!(info.size_bytes, GIB + 16_384);
+    assert_eq!(
+        info.device_path.to_str(),
+        Some("/dev/zvol/tank/pillar/pvc-1")
+    );
+}
+
+#[tokio::test]
+async fn create_is_idempotent_and_refuses_another_size() {
+    let f = Fixture::new();
+    let existing = "tank/pillar/pvc-1\t1073741824\tpillar\n";
+    f.expect(&LIST, ok(existing)).expect(&LIST, ok(existing));
+    let info = f.backend.create(&vol("pvc-1"), GIB - 100).await.unwrap();
+    assert_eq!(info.size_bytes, GIB);
+    let err = f.backend.create(&vol("pvc-1"), 2 * GIB).await.unwrap_err();
+    assert!(
+        matches!(err, BackendError::SizeMismatch { existing, requested, .. }
+            if existing == GIB && requested == 2 * GIB),
+        "{err:?}"
+    );
+}
+
+// A zvol without pillar's owner property is never adopted, grown or destroyed.
+#[tokio::test]
+async fn a_foreign_zvol_is_left_alone() {
+    let f = Fixture::new();
+    let foreign = "tank/pillar/pvc-1\t1073741824\t-\n";
+    for _ in 0..5 {
+        f.expect(&LIST, ok(foreign));
+    }
+    let v = vol("pvc-1");
+    for err in [
+        f.backend.create(&v, GIB).await.unwrap_err(),
+        f.backend.expand(&v, 2 * GIB).await.unwrap_err(),
+        f.backend.delete(&v).await.unwrap_err(),
+    ] {
+        assert!(matches!(err, BackendError::NotOwned { .. }), "{err:?}");
+    }
+    assert_eq!(f.backend.lookup(&v).await.unwrap(), None);
+    assert!(f.backend.list().await.unwrap().is_empty());
+}
+
+// Requirement (issue 3 item 6): shrink is refused. Growing sets volsize to the rounded size;
+// equal changes nothing; a missing volume is NotFound.
+#[tokio::test]
+async fn expand_grows_refuses_to_shrink_and_knows_missing_volumes() {
+    let f = Fixture::new();
+    let current = "tank/pillar/pvc-1\t1073741824\tpillar\n";
+    f.expect(&LIST, ok(current))
+        .expect(&["set", "volsize=2147483648", "tank/pillar/pvc-1"], ok(""));
+    let info = f.backend.expand(&vol("pvc-1"), 2 * GIB - 1).await.unwrap();
+    assert_eq!(info.size_bytes, 2 * GIB);
+    f.done();
+
+    f.expect(&LIST, ok(current));
+    assert_eq!(
+        f.backend
+            .expand(&vol("pvc-1"), GIB)
+            .await
+            .unwrap()
+            .size_bytes,
+        GIB
+    );
+    f.done();
+
+    f.expect(&LIST, ok(current));
+    let err = f.backend.expand(&vol("pvc-1"), GIB / 2).await.unwrap_err();
+    assert!(
+        matches!(err, BackendError::ShrinkRefused { current, requested, .. }
+            if current == GIB && requested == GIB / 2),
+        "{err:?}"
+    );
+    f.done();
+
+    f.expect(&LIST, ok(""));
+    let err = f.backend.expand(&vol("pvc-2"), GIB).await.unwrap_err();
+    assert!(matches!(err, BackendError::NotFound { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn delete_destroys_and_is_idempotent() {
+    let f = Fixture::new();
+    f.expect(&LIST, ok("tank/pillar/pvc-1\t1073741824\tpillar\n"))
+        .expect(&["destroy", "tank/pillar/pvc-1"], ok(""))
+        .expect(&LIST, ok(""));
+    f.backend.delete(&vol("pvc-1")).await.unwrap();
+    f.backend.delete(&vol("pvc-1")).await.unwrap();
+}
+
+#[tokio::test]
+async fn lookup_finds_pillar_zvols_only() {
+    let f = Fixture::new();
+    let listing = "tank/pillar/pvc-1\t1073741824\tpillar\ntank/pillar/pvc-2\t8192\t-\n";
+    f.expect(&LIST, ok(listing))
+        .expect(&LIST, ok(listing))
+        .expect(&LIST, ok(listing));
+    let info = f.backend.lookup(&vol("pvc-1")).await.unwrap().unwrap();
+    assert_eq!(info.size_bytes, GIB);
+    assert_eq!(
+        info.device_path.to_str(),
+        Some("/dev/zvol/tank/pillar/pvc-1")
+    );
+    assert_eq!(f.backend.lookup(&vol("pvc-2")).await.unwrap(), None);
+    assert_eq!(f.backend.lookup(&vol("pvc-3")).await.unwrap(), None);
+}
+
+// list: pillar's zvols directly under the parent, sorted; foreign zvols and names that are no
+// volume ID are skipped.
+#[tokio::test]
+async fn list_returns_only_pillar_volumes() {
+    let f = Fixture::new();
+    f.expect(
+        &LIST,
+        ok("tank/pillar/pvc-b\t2147483648\tpillar\n\
+            tank/pillar/pvc-a\t1073741824\tpillar\n\
+            tank/pillar/swap\t4294967296\t-\n\
+            tank/pillar/bad name\t16384\tpillar\n\
+            tank/pillarx/pvc-c\t16384\tpillar\n"),
+    );
+    let listed = f.backend.list().await.unwrap();
+    let got: Vec<(&str, u64)> = listed
+        .iter()
+        .map(|i| (i.volume.as_str(), i.size_bytes))
+        .collect();
+    assert_eq!(got, [("pvc-a", GIB), ("pvc-b", 2 * GIB)]);
+}
+
+#[tokio::test]
+async fn capacity_is_used_plus_available_of_the_parent() {
+    let f = Fixture::new();
+    f.expect(
+        &["list", "-Hp", "-o", "used,available", "tank/pillar"],
+        ok("5368709120\t96636764160\n"),
+    );
+    let cap = f.backend.capacity().await.unwrap();
+    assert_eq!(cap.total_bytes, 5_368_709_120 + 96_636_764_160);
+    assert_eq!(cap.available_bytes, 96_636_764_160);
+}
+
+// Requirement (issue 3 item 6): failures carry zfs's stderr and the step.
+#[tokio::test]
+async fn a_failed_create_reports_zfs_stderr() {
+    let f = Fixture::new();
+    f.expect(&LIST, ok("")).expect(
+        &[
+            "create",
+            "-V",
+            "1073741824",
+            "-o",
+            "volmode=dev",
+            "-o",
+            "io.pillar-csi:owner=pillar",
+            "tank/pillar/pvc-1",
+        ],
+        Reply::Fail {
+            code: 1,
+            stderr: "cannot create 'tank/pillar/pvc-1': out of space\n".to_owned(),
+        },
+    );
+    let err = f.backend.create(&vol("pvc-1"), GIB).await.unwrap_err();
+    assert!(
+        matches!(&err, BackendError::Command { step: "zfs create", source: CommandError::Failed { stderr, .. } }
+            if stderr == "cannot create 'tank/pillar/pvc-1': out of space"),
+        "{err:?}"
+    );
+    let chain = format!("{err}: {}", err.source().unwrap());
+    assert!(chain.contains("out of space"), "{chain}");
+}
+
+#[tokio::test]
+async fn a_missing_parent_and_a_timeout_are_reported() {
+    let f = Fixture::new();
+    f.expect(
+        &["list", "-Hp", "-o", "used,available", "tank/pillar"],
+        Reply::Fail {
+            code: 1,
+            stderr: "cannot open 'tank/pillar': dataset does not exist\n".to_owned(),
+        },
+    )
+    .expect(&LIST, Reply::Timeout(Duration::from_secs(60)));
+    let err = f.backend.probe().await.unwrap_err();
+    assert!(
+        matches!(&err, BackendError::Command { source: CommandError::Failed { stderr, .. }, .. }
+            if stderr.contains("dataset does not exist")),
+        "{err:?}"
+    );
+    let err = f.backend.list().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BackendError::Command {
+                step: "zfs list",
+                source: CommandError::Timeout { .. }
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn malformed_output_is_an_error() {
+    let f = Fixture::new();
+    f.expect(&LIST, ok("tank/pillar/pvc-1\t1G\tpillar\n"))
+        .expect(&LIST, ok("NAME  VOLSIZE\ntank/pillar/pvc-1  1G\n"))
+        .expect(
+            &["list", "-Hp", "-o", "used,available", "tank/pillar"],
+            ok("5368709120\n"),
+        );
+    for _ in 0..2 {
+        let err = f.backend.list().await.unwrap_err();
+        assert!(matches!(err, BackendError::ReportValue { .. }), "{err:?}");
+    }
+    let err = f.backend.capacity().await.unwrap_err();
+    assert!(matches!(err, BackendError::ReportValue { .. }), "{err:?}");
+}
+
+// Out-of-range sizes and dataset names too long for ZFS are refused before any command runs.
+#[tokio::test]
+async fn bad_sizes_and_names_run_nothing() {
+    let f = Fixture::new();
+    for size in [0, (1 << 50) + 1] {
+        let err = f.backend.create(&vol("pvc-1"), size).await.unwrap_err();
+        assert!(matches!(err, BackendError::InvalidSize { .. }), "{err:?}");
+    }
+    let runner: Arc<dyn CommandRunner> = Arc::new(ScriptedRunner::new());
+    let parent = format!("tank/{}", "p".repeat(150));
+    let deep = Backend::Zfs(ZfsBackend::new("z", &parent, runner).unwrap());
+    let err = deep.create(&vol(&"v".repeat(110)), GIB).await.unwrap_err();
+    assert!(
+        matches!(err, BackendError::UnsupportedName { .. }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn bad_parent_names_are_configuration_errors() {
+    let runner: Arc<dyn CommandRunner> = Arc::new(ScriptedRunner::new());
+    for parent in [
+        "",
+        "/tank",
+        "tank/",
+        "tank//x",
+        "tank/../x",
+        "tank/a\tb",
+        "tank/é",
+    ] {
+        let config = PoolConfig {
+            name: "z".into(),
+            kind: PoolKind::Zfs {
+                parent: parent.into(),
+            },
+        };
+        assert!(
+            matches!(
+                Backend::new(&config, runner.clone()),
+                Err(BackendError::InvalidConfig { .. })
+            ),
+            "{parent:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_zvol_device_that_does_not_appear_is_an_error() {
+    let runner = Arc::new(ScriptedRunner::new());
+    let backend = ZfsBackend::new("z", "tank/pillar", runner.clone())
+        .unwrap()
+        .with_device_wait(Some(Duration::from_millis(50)));
+    runner.expect("zfs", &LIST, ok("tank/pillar/pvc-1\t1073741824\tpillar\n"));
+    let err = backend.lookup(&vol("pvc-1")).await.unwrap_err();
+    assert!(matches!(err, BackendError::DeviceMissing { .. }), "{err:?}");
+    assert_eq!(runner.remaining(), 0);
+}
