@@ -11,3 +11,7 @@ pub mod csi {
 
 pub mod context;
 pub mod node_id;
+pub mod agents;
+pub mod controller;
+pub mod identity;
+pub mod serve;

@@ -1,0 +1,120 @@
+//! Connections from the controller to storage-node agents, one cached channel per PillarAgent.
+//!
+//! An agent is reached at `spec.address`: `unix:///path` (single-machine mode, tests) or
+//! `host:port` with mutual TLS (the controller's client certificate, the agent's CA bundle and
+//! server name from the PillarAgent). Plaintext TCP is used only when the PillarAgent has no
+//! `tls` and the controller was started with `--agent-insecure-plaintext`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use pillar_agent_api::v1::agent_client::AgentClient;
+use pillar_state::crd::PillarAgent;
+use tokio::sync::Mutex;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Uri};
+
+/// A client for one agent.
+pub type Client = AgentClient<Channel>;
+
+/// The controller's own TLS identity towards agents.
+#[derive(Clone, Debug)]
+pub struct ControllerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Why an agent could not be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("agent {agent} address {address:?} is invalid")]
+    Address { agent: String, address: String, source: tonic::transport::Error },
+    #[error("cannot connect to agent {agent} at {address}")]
+    Connect { agent: String, address: String, source: tonic::transport::Error },
+    #[error("cannot read TLS file {path}")]
+    TlsFile { path: PathBuf, source: std::io::Error },
+    #[error(
+        "agent {agent} has no TLS settings and the controller does not allow plaintext TCP \
+         (--agent-insecure-plaintext)"
+    )]
+    PlaintextRefused { agent: String },
+    #[error("agent {agent} requires TLS but the controller has no client certificate")]
+    NoClientIdentity { agent: String },
+}
+
+/// Cached agent channels.
+#[derive(Debug)]
+pub struct Agents {
+    channels: Mutex<HashMap<String, (String, Client)>>,
+    tls: Option<ControllerTls>,
+    allow_plaintext: bool,
+    timeout: Duration,
+}
+
+impl Agents {
+    /// A pool of agent connections.
+    pub fn new(tls: Option<ControllerTls>, allow_plaintext: bool, timeout: Duration) -> Arc<Self> {
+        Arc::new(Self { channels: Mutex::new(HashMap::new()), tls, allow_plaintext, timeout })
+    }
+
+    /// A client for `agent`, reusing the channel while its address is unchanged.
+    pub async fn client(&self, agent: &PillarAgent) -> Result<Client, ConnectError> {
+        let name = agent.metadata.name.clone().unwrap_or_default();
+        let address = agent.spec.address.clone();
+        let mut channels = self.channels.lock().await;
+        if let Some((known, client)) = channels.get(&name)
+            && *known == address
+        {
+            return Ok(client.clone());
+        }
+        let client = self.connect(&name, agent).await?;
+        channels.insert(name, (address, client.clone()));
+        Ok(client)
+    }
+
+    /// Drops a cached channel (after a transport error).
+    pub async fn forget(&self, agent: &str) {
+        self.channels.lock().await.remove(agent);
+    }
+
+    async fn connect(&self, name: &str, agent: &PillarAgent) -> Result<Client, ConnectError> {
+        let address = agent.spec.address.clone();
+        let connect_err = |source| ConnectError::Connect { agent: name.to_owned(), address: address.clone(), source };
+        if let Some(path) = address.strip_prefix("unix://") {
+            let path = PathBuf::from(path);
+            let channel = Endpoint::from_static("http://agent.invalid")
+                .timeout(self.timeout)
+                .connect_with_connector(tower::service_fn(move |_: Uri| {
+                    let path = path.clone();
+                    async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+                }))
+                .await
+                .map_err(connect_err)?;
+            return Ok(AgentClient::new(channel));
+        }
+        let (scheme, tls) = match (&agent.spec.tls, &self.tls) {
+            (Some(agent_tls), Some(mine)) => {
+                let read = |path: &PathBuf| std::fs::read(path).map_err(|source| ConnectError::TlsFile { path: path.clone(), source });
+                let ca = PathBuf::from(&agent_tls.ca_bundle_path);
+                let config = ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(read(&ca)?))
+                    .identity(Identity::from_pem(read(&mine.cert)?, read(&mine.key)?))
+                    .domain_name(agent_tls.server_name.clone());
+                ("https", Some(config))
+            }
+            (Some(_), None) => return Err(ConnectError::NoClientIdentity { agent: name.to_owned() }),
+            (None, _) if self.allow_plaintext => ("http", None),
+            (None, _) => return Err(ConnectError::PlaintextRefused { agent: name.to_owned() }),
+        };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
+            .map_err(|source| ConnectError::Address { agent: name.to_owned(), address: address.clone(), source })?
+            .timeout(self.timeout)
+            .connect_timeout(self.timeout);
+        if let Some(tls) = tls {
+            endpoint = endpoint.tls_config(tls).map_err(connect_err)?;
+        }
+        Ok(AgentClient::new(endpoint.connect().await.map_err(connect_err)?))
+    }
+}
