@@ -34,7 +34,11 @@ impl Latencies {
         }
         self.0.sort_unstable();
         let n = self.0.len();
-        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss
+        )]
         let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
         self.0[rank - 1].as_secs_f64() * 1e6
     }

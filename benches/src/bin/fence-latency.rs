@@ -5,6 +5,8 @@
 //! Usage: fence-latency [--dir DIR] [--ops N] [--clients 1,8,32]
 //! Prints a table and, with --json, one JSON object per configuration.
 
+#![allow(clippy::print_stdout)] // a benchmark reports on stdout
+
 use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
@@ -37,7 +39,12 @@ const MARK: &[u8] = br#"{"format":1,"mark":{"volume":"pvc-00000000-0000-0000-000
 
 fn floor(dir: &std::path::Path, ops: usize) -> anyhow::Result<Latencies> {
     let mut l = Latencies::default();
-    let mut f = std::fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(dir.join("floor"))?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(dir.join("floor"))?;
     for _ in 0..ops {
         let t = Instant::now();
         f.write_all(&MARK[..256.min(MARK.len())])?;
@@ -47,7 +54,12 @@ fn floor(dir: &std::path::Path, ops: usize) -> anyhow::Result<Latencies> {
     Ok(l)
 }
 
-async fn run(engine: Arc<Engine>, dir: Arc<DurableDir>, clients: usize, ops: usize) -> anyhow::Result<(Latencies, Duration)> {
+async fn run(
+    engine: Arc<Engine>,
+    dir: Arc<DurableDir>,
+    clients: usize,
+    ops: usize,
+) -> anyhow::Result<(Latencies, Duration)> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..clients {
@@ -56,7 +68,9 @@ async fn run(engine: Arc<Engine>, dir: Arc<DurableDir>, clients: usize, ops: usi
             let mut l = Latencies::default();
             for _ in 0..ops {
                 let t = Instant::now();
-                engine.replace_file(&dir, &format!("vol-{c}.json"), MARK.to_vec()).await?;
+                engine
+                    .replace_file(&dir, &format!("vol-{c}.json"), MARK.to_vec())
+                    .await?;
                 l.push(t.elapsed());
             }
             anyhow::Ok(l)
@@ -77,9 +91,18 @@ async fn main() -> anyhow::Result<()> {
         None => tempfile::tempdir_in(".")?,
     };
     let mut floor_l = floor(base.path(), args.ops)?;
-    let (f50, f99, f999) = (floor_l.quantile_us(0.5), floor_l.quantile_us(0.99), floor_l.quantile_us(0.999));
-    println!("disk floor (256-byte write + fdatasync, 1 thread): p50 {f50:.0} us  p99 {f99:.0} us  p99.9 {f999:.0} us");
-    println!("{:<9} {:>7} {:>9} {:>9} {:>9} {:>10} {:>12} {:>12}", "engine", "clients", "p50 us", "p99 us", "p99.9 us", "ops/s", "dirfsync/op", "enters/op");
+    let (f50, f99, f999) = (
+        floor_l.quantile_us(0.5),
+        floor_l.quantile_us(0.99),
+        floor_l.quantile_us(0.999),
+    );
+    println!(
+        "disk floor (256-byte write + fdatasync, 1 thread): p50 {f50:.0} us  p99 {f99:.0} us  p99.9 {f999:.0} us"
+    );
+    println!(
+        "{:<9} {:>7} {:>9} {:>9} {:>9} {:>10} {:>12} {:>12}",
+        "engine", "clients", "p50 us", "p99 us", "p99.9 us", "ops/s", "dirfsync/op", "enters/op"
+    );
     for &clients in &args.clients {
         for name in ["io_uring", "sync"] {
             let engine = Arc::new(match name {
@@ -90,15 +113,24 @@ async fn main() -> anyhow::Result<()> {
             // Warm-up: create the files once.
             run(Arc::clone(&engine), Arc::clone(&dir), clients, 5).await?;
             let before = engine.stats().snapshot();
-            let (mut l, wall) = run(Arc::clone(&engine), Arc::clone(&dir), clients, args.ops).await?;
+            let (mut l, wall) =
+                run(Arc::clone(&engine), Arc::clone(&dir), clients, args.ops).await?;
             let after = engine.stats().snapshot();
             let ops = after[2] - before[2];
             #[allow(clippy::cast_precision_loss)]
             let per_op = |i: usize| (after[i] - before[i]) as f64 / ops.max(1) as f64;
             #[allow(clippy::cast_precision_loss)]
             let rate = l.len() as f64 / wall.as_secs_f64();
-            let (p50, p99, p999) = (l.quantile_us(0.5), l.quantile_us(0.99), l.quantile_us(0.999));
-            println!("{name:<9} {clients:>7} {p50:>9.0} {p99:>9.0} {p999:>9.0} {rate:>10.0} {:>12.2} {:>12.2}", per_op(3), per_op(0));
+            let (p50, p99, p999) = (
+                l.quantile_us(0.5),
+                l.quantile_us(0.99),
+                l.quantile_us(0.999),
+            );
+            println!(
+                "{name:<9} {clients:>7} {p50:>9.0} {p99:>9.0} {p999:>9.0} {rate:>10.0} {:>12.2} {:>12.2}",
+                per_op(3),
+                per_op(0)
+            );
             if args.json {
                 println!(
                     "{}",
