@@ -168,6 +168,13 @@ impl UringEngine {
         ring.submitter()
             .register_files_sparse(FILE_SLOTS)
             .map_err(|e| unavailable("registering direct descriptors", &e))?;
+        // fsync is a blocking operation the kernel runs on io-wq workers, whose bounded pool
+        // defaults to a few per CPU; let every request in flight have one, so concurrent
+        // volumes' fsyncs run in parallel instead of queueing behind each other.
+        let mut max_workers = [FILE_SLOTS, 0];
+        if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max_workers) {
+            tracing::warn!(error = %e, "could not raise the io-wq worker limit; fsyncs may queue");
+        }
         // SAFETY: eventfd(2) with valid flags returns a new descriptor or -1; nothing else is
         // touched.
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
