@@ -30,11 +30,22 @@ pub struct ControllerTls {
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     #[error("agent {agent} address {address:?} is invalid")]
-    Address { agent: String, address: String, source: tonic::transport::Error },
+    Address {
+        agent: String,
+        address: String,
+        source: tonic::transport::Error,
+    },
     #[error("cannot connect to agent {agent} at {address}")]
-    Connect { agent: String, address: String, source: tonic::transport::Error },
+    Connect {
+        agent: String,
+        address: String,
+        source: tonic::transport::Error,
+    },
     #[error("cannot read TLS file {path}")]
-    TlsFile { path: PathBuf, source: std::io::Error },
+    TlsFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error(
         "agent {agent} has no TLS settings and the controller does not allow plaintext TCP \
          (--agent-insecure-plaintext)"
@@ -56,7 +67,12 @@ pub struct Agents {
 impl Agents {
     /// A pool of agent connections.
     pub fn new(tls: Option<ControllerTls>, allow_plaintext: bool, timeout: Duration) -> Arc<Self> {
-        Arc::new(Self { channels: Mutex::new(HashMap::new()), tls, allow_plaintext, timeout })
+        Arc::new(Self {
+            channels: Mutex::new(HashMap::new()),
+            tls,
+            allow_plaintext,
+            timeout,
+        })
     }
 
     /// A client for `agent`, reusing the channel while its address is unchanged.
@@ -81,14 +97,22 @@ impl Agents {
 
     async fn connect(&self, name: &str, agent: &PillarAgent) -> Result<Client, ConnectError> {
         let address = agent.spec.address.clone();
-        let connect_err = |source| ConnectError::Connect { agent: name.to_owned(), address: address.clone(), source };
+        let connect_err = |source| ConnectError::Connect {
+            agent: name.to_owned(),
+            address: address.clone(),
+            source,
+        };
         if let Some(path) = address.strip_prefix("unix://") {
             let path = PathBuf::from(path);
             let channel = Endpoint::from_static("http://agent.invalid")
                 .timeout(self.timeout)
                 .connect_with_connector(tower::service_fn(move |_: Uri| {
                     let path = path.clone();
-                    async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+                    async move {
+                        Ok::<_, std::io::Error>(TokioIo::new(
+                            tokio::net::UnixStream::connect(path).await?,
+                        ))
+                    }
                 }))
                 .await
                 .map_err(connect_err)?;
@@ -96,7 +120,12 @@ impl Agents {
         }
         let (scheme, tls) = match (&agent.spec.tls, &self.tls) {
             (Some(agent_tls), Some(mine)) => {
-                let read = |path: &PathBuf| std::fs::read(path).map_err(|source| ConnectError::TlsFile { path: path.clone(), source });
+                let read = |path: &PathBuf| {
+                    std::fs::read(path).map_err(|source| ConnectError::TlsFile {
+                        path: path.clone(),
+                        source,
+                    })
+                };
                 let ca = PathBuf::from(&agent_tls.ca_bundle_path);
                 let config = ClientTlsConfig::new()
                     .ca_certificate(Certificate::from_pem(read(&ca)?))
@@ -104,17 +133,31 @@ impl Agents {
                     .domain_name(agent_tls.server_name.clone());
                 ("https", Some(config))
             }
-            (Some(_), None) => return Err(ConnectError::NoClientIdentity { agent: name.to_owned() }),
+            (Some(_), None) => {
+                return Err(ConnectError::NoClientIdentity {
+                    agent: name.to_owned(),
+                });
+            }
             (None, _) if self.allow_plaintext => ("http", None),
-            (None, _) => return Err(ConnectError::PlaintextRefused { agent: name.to_owned() }),
+            (None, _) => {
+                return Err(ConnectError::PlaintextRefused {
+                    agent: name.to_owned(),
+                });
+            }
         };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
-            .map_err(|source| ConnectError::Address { agent: name.to_owned(), address: address.clone(), source })?
+            .map_err(|source| ConnectError::Address {
+                agent: name.to_owned(),
+                address: address.clone(),
+                source,
+            })?
             .timeout(self.timeout)
             .connect_timeout(self.timeout);
         if let Some(tls) = tls {
             endpoint = endpoint.tls_config(tls).map_err(connect_err)?;
         }
-        Ok(AgentClient::new(endpoint.connect().await.map_err(connect_err)?))
+        Ok(AgentClient::new(
+            endpoint.connect().await.map_err(connect_err)?,
+        ))
     }
 }

@@ -62,19 +62,32 @@ pub enum ControllerError {
     NodeNotFound(String, String),
     #[error("volume {0} already exists with other properties: {1}")]
     AlreadyExists(String, String),
-    #[error("volume {volume} is published to node {node} ({mode:?}); a single-node volume cannot be published to {requested}")]
-    PublishedElsewhere { volume: String, node: String, mode: AccessMode, requested: String },
-    #[error("volume {volume} is already published to node {node} with another capability or readonly flag")]
+    #[error(
+        "volume {volume} is published to node {node} ({mode:?}); a single-node volume cannot be published to {requested}"
+    )]
+    PublishedElsewhere {
+        volume: String,
+        node: String,
+        mode: AccessMode,
+        requested: String,
+    },
+    #[error(
+        "volume {volume} is already published to node {node} with another capability or readonly flag"
+    )]
     PublishedDifferently { volume: String, node: String },
     #[error("volume {volume} is still being unpublished from node {node}; retry")]
     Revoking { volume: String, node: String },
     #[error("volume {volume} is still published to {nodes:?}; unpublish it first")]
     StillPublished { volume: String, nodes: Vec<String> },
-    #[error("PillarAgent {agent:?} of volume {volume} does not exist; refusing to act without the storage node")]
+    #[error(
+        "PillarAgent {agent:?} of volume {volume} does not exist; refusing to act without the storage node"
+    )]
     AgentMissing { volume: String, agent: String },
     #[error("PillarProtocol {0:?} does not exist")]
     ProtocolMissing(String),
-    #[error("the lifecycle of volume {volume} that this call started on is gone (deleted or re-created); aborting")]
+    #[error(
+        "the lifecycle of volume {volume} that this call started on is gone (deleted or re-created); aborting"
+    )]
     LifecycleGone { volume: String },
     #[error("volume {volume}: too many concurrent updates; retry")]
     Contention { volume: String },
@@ -85,7 +98,11 @@ pub enum ControllerError {
     #[error("connecting to the agent")]
     Connect(#[from] ConnectError),
     #[error("agent call {call} for volume {volume} failed: {status}")]
-    Agent { call: &'static str, volume: String, status: Status },
+    Agent {
+        call: &'static str,
+        volume: String,
+        status: Status,
+    },
     #[error("{0}")]
     Unimplemented(&'static str),
 }
@@ -95,14 +112,16 @@ pub fn code_of(err: &ControllerError) -> Code {
     match err {
         ControllerError::InvalidArgument(_) => Code::InvalidArgument,
         ControllerError::VolumeNotFound(_) | ControllerError::NodeNotFound(..) => Code::NotFound,
-        ControllerError::AlreadyExists(..) | ControllerError::PublishedDifferently { .. } => Code::AlreadyExists,
+        ControllerError::AlreadyExists(..) | ControllerError::PublishedDifferently { .. } => {
+            Code::AlreadyExists
+        }
         ControllerError::PublishedElsewhere { .. }
         | ControllerError::StillPublished { .. }
         | ControllerError::AgentMissing { .. }
         | ControllerError::ProtocolMissing(_) => Code::FailedPrecondition,
-        ControllerError::Revoking { .. } | ControllerError::LifecycleGone { .. } | ControllerError::Contention { .. } => {
-            Code::Aborted
-        }
+        ControllerError::Revoking { .. }
+        | ControllerError::LifecycleGone { .. }
+        | ControllerError::Contention { .. } => Code::Aborted,
         ControllerError::OutOfRange(_) => Code::OutOfRange,
         ControllerError::Store(e) if e.is_conflict() || e.is_lifecycle_gone() => Code::Aborted,
         ControllerError::Store(_) => Code::Unavailable,
@@ -110,8 +129,13 @@ pub fn code_of(err: &ControllerError) -> Code {
         ControllerError::Agent { status, .. } => match status.code() {
             // The agent refused our token: another operation on the volume overtook this one.
             Code::FailedPrecondition if status.message().contains("stale") => Code::Aborted,
-            Code::Unavailable | Code::DeadlineExceeded | Code::OutOfRange | Code::AlreadyExists
-            | Code::FailedPrecondition | Code::Aborted | Code::ResourceExhausted => status.code(),
+            Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::OutOfRange
+            | Code::AlreadyExists
+            | Code::FailedPrecondition
+            | Code::Aborted
+            | Code::ResourceExhausted => status.code(),
             _ => Code::Internal,
         },
         ControllerError::Unimplemented(_) => Code::Unimplemented,
@@ -161,37 +185,51 @@ fn access_mode(mode: i32) -> Result<AccessMode, ControllerError> {
         Ok(Mode::MultiNodeMultiWriter) => Err(ControllerError::InvalidArgument(
             "MULTI_NODE_MULTI_WRITER (RWX) is not supported: pillar volumes have one writer".into(),
         )),
-        Ok(Mode::Unknown) | Err(_) => Err(ControllerError::InvalidArgument(format!("access mode {mode} is not supported"))),
+        Ok(Mode::Unknown) | Err(_) => Err(ControllerError::InvalidArgument(format!(
+            "access mode {mode} is not supported"
+        ))),
     }
 }
 
 /// The access mode and volume mode of a capability, or why it is unsupported.
 fn capability(cap: &csi::VolumeCapability) -> Result<(AccessMode, VolumeMode), ControllerError> {
-    let mode = cap
-        .access_mode
-        .as_ref()
-        .ok_or_else(|| ControllerError::InvalidArgument("volume capability has no access mode".into()))?;
+    let mode = cap.access_mode.as_ref().ok_or_else(|| {
+        ControllerError::InvalidArgument("volume capability has no access mode".into())
+    })?;
     let mode = access_mode(mode.mode)?;
     let volume_mode = match &cap.access_type {
         Some(csi::volume_capability::AccessType::Block(_)) => VolumeMode::Block,
         Some(csi::volume_capability::AccessType::Mount(m)) => {
             if !matches!(m.fs_type.as_str(), "" | "ext4" | "xfs") {
-                return Err(ControllerError::InvalidArgument(format!("filesystem {:?} is not supported (ext4 or xfs)", m.fs_type)));
+                return Err(ControllerError::InvalidArgument(format!(
+                    "filesystem {:?} is not supported (ext4 or xfs)",
+                    m.fs_type
+                )));
             }
             VolumeMode::Filesystem
         }
-        None => return Err(ControllerError::InvalidArgument("volume capability has no access type".into())),
+        None => {
+            return Err(ControllerError::InvalidArgument(
+                "volume capability has no access type".into(),
+            ));
+        }
     };
     Ok((mode, volume_mode))
 }
 
-fn capabilities(caps: &[csi::VolumeCapability]) -> Result<(AccessMode, VolumeMode), ControllerError> {
+fn capabilities(
+    caps: &[csi::VolumeCapability],
+) -> Result<(AccessMode, VolumeMode), ControllerError> {
     let mut parsed = caps.iter().map(capability);
-    let first = parsed.next().ok_or_else(|| ControllerError::InvalidArgument("volume capabilities are required".into()))??;
+    let first = parsed.next().ok_or_else(|| {
+        ControllerError::InvalidArgument("volume capabilities are required".into())
+    })??;
     for next in parsed {
         let (_, vm) = next?;
         if vm != first.1 {
-            return Err(ControllerError::InvalidArgument("block and mount capabilities cannot be mixed".into()));
+            return Err(ControllerError::InvalidArgument(
+                "block and mount capabilities cannot be mixed".into(),
+            ));
         }
     }
     Ok(first)
@@ -199,19 +237,33 @@ fn capabilities(caps: &[csi::VolumeCapability]) -> Result<(AccessMode, VolumeMod
 
 fn volume_name(id: &str) -> Result<VolumeId, ControllerError> {
     if id.is_empty() {
-        return Err(ControllerError::InvalidArgument("volume ID is required".into()));
+        return Err(ControllerError::InvalidArgument(
+            "volume ID is required".into(),
+        ));
     }
-    let volume = VolumeId::parse(id).map_err(|e| ControllerError::InvalidArgument(e.to_string()))?;
-    pillar_state::store::validate_name("PillarVolumeState", id).map_err(|e| ControllerError::InvalidArgument(e.to_string()))?;
+    let volume =
+        VolumeId::parse(id).map_err(|e| ControllerError::InvalidArgument(e.to_string()))?;
+    pillar_state::store::validate_name("PillarVolumeState", id)
+        .map_err(|e| ControllerError::InvalidArgument(e.to_string()))?;
     Ok(volume)
 }
 
-fn agent_err<'a>(call: &'static str, volume: &'a str) -> impl FnOnce(Status) -> ControllerError + 'a {
-    move |status| ControllerError::Agent { call, volume: volume.to_owned(), status }
+fn agent_err<'a>(
+    call: &'static str,
+    volume: &'a str,
+) -> impl FnOnce(Status) -> ControllerError + 'a {
+    move |status| ControllerError::Agent {
+        call,
+        volume: volume.to_owned(),
+        status,
+    }
 }
 
 fn token(uid: &str, generation: u64) -> Option<agent_api::FencingToken> {
-    Some(agent_api::FencingToken { lifecycle_uid: uid.to_owned(), generation })
+    Some(agent_api::FencingToken {
+        lifecycle_uid: uid.to_owned(),
+        generation,
+    })
 }
 
 fn single_node(mode: AccessMode) -> bool {
@@ -221,12 +273,20 @@ fn single_node(mode: AccessMode) -> bool {
 impl Controller {
     /// A controller over `store`, reaching agents through `agents`.
     pub fn new(store: Arc<dyn StateStore>, agents: Arc<Agents>) -> Arc<Self> {
-        Arc::new(Self { store, agents, locks: std::sync::Mutex::new(HashMap::new()), resync_lock: Mutex::new(()) })
+        Arc::new(Self {
+            store,
+            agents,
+            locks: std::sync::Mutex::new(HashMap::new()),
+            resync_lock: Mutex::new(()),
+        })
     }
 
     async fn lock(&self, name: &str) -> OwnedMutexGuard<()> {
         let lock = {
-            let mut locks = self.locks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut locks = self
+                .locks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             Arc::clone(locks.entry(name.to_owned()).or_default())
         };
         lock.lock_owned().await
@@ -238,12 +298,17 @@ impl Controller {
         &self,
         name: &str,
         uid: &str,
-        mut change: impl FnMut(&PillarVolumeState, &mut PillarVolumeStateStatus) -> Result<T, ControllerError>,
+        mut change: impl FnMut(
+            &PillarVolumeState,
+            &mut PillarVolumeStateStatus,
+        ) -> Result<T, ControllerError>,
     ) -> Result<(PillarVolumeState, T), ControllerError> {
         for _ in 0..CAS_ATTEMPTS {
             let current = self.store.get_volume(name).await?;
             let Some(current) = current.filter(|v| v.metadata.uid.as_deref() == Some(uid)) else {
-                return Err(ControllerError::LifecycleGone { volume: name.to_owned() });
+                return Err(ControllerError::LifecycleGone {
+                    volume: name.to_owned(),
+                });
             };
             let mut status = current.status_or_default();
             let out = change(&current, &mut status)?;
@@ -251,15 +316,25 @@ impl Controller {
             match self.store.replace_volume_status(name, &rev, status).await {
                 Ok(updated) => return Ok((updated, out)),
                 Err(e) if e.is_conflict() => continue,
-                Err(e) if e.is_lifecycle_gone() => return Err(ControllerError::LifecycleGone { volume: name.to_owned() }),
+                Err(e) if e.is_lifecycle_gone() => {
+                    return Err(ControllerError::LifecycleGone {
+                        volume: name.to_owned(),
+                    });
+                }
                 Err(e) => return Err(e.into()),
             }
         }
-        Err(ControllerError::Contention { volume: name.to_owned() })
+        Err(ControllerError::Contention {
+            volume: name.to_owned(),
+        })
     }
 
     /// A fresh fencing token for `name`'s lifecycle `uid` (F2, F3).
-    async fn next_token(&self, name: &str, uid: &str) -> Result<Option<agent_api::FencingToken>, ControllerError> {
+    async fn next_token(
+        &self,
+        name: &str,
+        uid: &str,
+    ) -> Result<Option<agent_api::FencingToken>, ControllerError> {
         let (v, ()) = self
             .update_status(name, uid, |_, s| {
                 s.publication_generation += 1;
@@ -269,17 +344,27 @@ impl Controller {
         Ok(token(uid, v.status_or_default().publication_generation))
     }
 
-    async fn agent_of(&self, volume: &PillarVolumeState) -> Result<(PillarAgent, Client), ControllerError> {
+    async fn agent_of(
+        &self,
+        volume: &PillarVolumeState,
+    ) -> Result<(PillarAgent, Client), ControllerError> {
         let name = &volume.spec.agent;
-        let agent = self.store.get_agent(name).await?.ok_or_else(|| ControllerError::AgentMissing {
-            volume: volume.spec.volume_id.clone(),
-            agent: name.clone(),
-        })?;
+        let agent =
+            self.store
+                .get_agent(name)
+                .await?
+                .ok_or_else(|| ControllerError::AgentMissing {
+                    volume: volume.spec.volume_id.clone(),
+                    agent: name.clone(),
+                })?;
         let client = self.agents.client(&agent).await?;
         Ok((agent, client))
     }
 
-    async fn protocol_of(&self, volume: &PillarVolumeState) -> Result<PillarProtocol, ControllerError> {
+    async fn protocol_of(
+        &self,
+        volume: &PillarVolumeState,
+    ) -> Result<PillarProtocol, ControllerError> {
         self.store
             .get_protocol(&volume.spec.protocol)
             .await?
@@ -301,13 +386,23 @@ impl Controller {
                 acl: protocol.spec.nvme_tcp.acl,
             }),
             // A host being revoked is not re-admitted by an export.
-            allowed_host_nqns: status.published_nodes.iter().filter(|p| !p.revoking).map(|p| p.host_nqn.clone()).collect(),
+            allowed_host_nqns: status
+                .published_nodes
+                .iter()
+                .filter(|p| !p.revoking)
+                .map(|p| p.host_nqn.clone())
+                .collect(),
         }
     }
 
     /// Runs an agent call; when the agent says it waits for a resync, resyncs it and retries
     /// once.
-    async fn with_resync<T, F, Fut>(&self, agent: &PillarAgent, client: &Client, mut call: F) -> Result<T, Status>
+    async fn with_resync<T, F, Fut>(
+        &self,
+        agent: &PillarAgent,
+        client: &Client,
+        mut call: F,
+    ) -> Result<T, Status>
     where
         F: FnMut(Client) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
@@ -315,7 +410,10 @@ impl Controller {
         match call(client.clone()).await {
             Err(s) if s.code() == Code::Unavailable && s.message().contains("resync") => {
                 if let Err(e) = self.resync_agent(agent).await {
-                    return Err(Status::unavailable(format!("agent waits for a resync, and the resync failed: {}", describe(&e))));
+                    return Err(Status::unavailable(format!(
+                        "agent waits for a resync, and the resync failed: {}",
+                        describe(&e)
+                    )));
                 }
                 call(client.clone()).await
             }
@@ -325,13 +423,17 @@ impl Controller {
 
     // ------------------------------------------------------------------ CreateVolume
 
-    async fn pick_agent(&self, parameters: &HashMap<String, String>) -> Result<(PillarAgent, String), ControllerError> {
+    async fn pick_agent(
+        &self,
+        parameters: &HashMap<String, String>,
+    ) -> Result<(PillarAgent, String), ControllerError> {
         let agent = match parameters.get(params::AGENT) {
-            Some(name) => self
-                .store
-                .get_agent(name)
-                .await?
-                .ok_or_else(|| ControllerError::InvalidArgument(format!("PillarAgent {name:?} named in {} does not exist", params::AGENT)))?,
+            Some(name) => self.store.get_agent(name).await?.ok_or_else(|| {
+                ControllerError::InvalidArgument(format!(
+                    "PillarAgent {name:?} named in {} does not exist",
+                    params::AGENT
+                ))
+            })?,
             None => {
                 let mut all = self.store.list_agents().await?;
                 if all.len() != 1 {
@@ -347,21 +449,35 @@ impl Controller {
         let pool = match parameters.get(params::POOL) {
             Some(p) => {
                 if !agent.spec.pools.iter().any(|x| x.name == *p) {
-                    return Err(ControllerError::InvalidArgument(format!("agent has no pool {p:?}")));
+                    return Err(ControllerError::InvalidArgument(format!(
+                        "agent has no pool {p:?}"
+                    )));
                 }
                 p.clone()
             }
             None => match agent.spec.pools.as_slice() {
                 [only] => only.name.clone(),
-                _ => return Err(ControllerError::InvalidArgument(format!("name the pool with the {} parameter", params::POOL))),
+                _ => {
+                    return Err(ControllerError::InvalidArgument(format!(
+                        "name the pool with the {} parameter",
+                        params::POOL
+                    )));
+                }
             },
         };
         Ok((agent, pool))
     }
 
-    async fn pick_protocol(&self, parameters: &HashMap<String, String>) -> Result<PillarProtocol, ControllerError> {
+    async fn pick_protocol(
+        &self,
+        parameters: &HashMap<String, String>,
+    ) -> Result<PillarProtocol, ControllerError> {
         match parameters.get(params::PROTOCOL) {
-            Some(name) => self.store.get_protocol(name).await?.ok_or_else(|| ControllerError::ProtocolMissing(name.clone())),
+            Some(name) => self
+                .store
+                .get_protocol(name)
+                .await?
+                .ok_or_else(|| ControllerError::ProtocolMissing(name.clone())),
             None => {
                 let mut all = self.store.list_protocols().await?;
                 if all.len() != 1 {
@@ -377,31 +493,55 @@ impl Controller {
     }
 
     /// CreateVolume.
-    pub async fn create_volume(&self, req: csi::CreateVolumeRequest) -> Result<csi::CreateVolumeResponse, ControllerError> {
+    pub async fn create_volume(
+        &self,
+        req: csi::CreateVolumeRequest,
+    ) -> Result<csi::CreateVolumeResponse, ControllerError> {
         let volume = volume_name(&req.name)?;
         let (mode, volume_mode) = capabilities(&req.volume_capabilities)?;
         if req.volume_content_source.is_some() {
-            return Err(ControllerError::InvalidArgument("volume content sources (snapshots, clones) are not supported".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume content sources (snapshots, clones) are not supported".into(),
+            ));
         }
-        let (required, limit) = req.capacity_range.as_ref().map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
+        let (required, limit) = req
+            .capacity_range
+            .as_ref()
+            .map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
         let (Ok(required), Ok(limit)) = (u64::try_from(required), u64::try_from(limit)) else {
-            return Err(ControllerError::InvalidArgument("capacity range must not be negative".into()));
+            return Err(ControllerError::InvalidArgument(
+                "capacity range must not be negative".into(),
+            ));
         };
         if limit != 0 && limit < required {
-            return Err(ControllerError::InvalidArgument(format!("limit_bytes {limit} is below required_bytes {required}")));
+            return Err(ControllerError::InvalidArgument(format!(
+                "limit_bytes {limit} is below required_bytes {required}"
+            )));
         }
-        let size = if required == 0 { if limit != 0 { limit.min(DEFAULT_VOLUME_BYTES) } else { DEFAULT_VOLUME_BYTES } } else { required };
+        let size = if required == 0 {
+            if limit != 0 {
+                limit.min(DEFAULT_VOLUME_BYTES)
+            } else {
+                DEFAULT_VOLUME_BYTES
+            }
+        } else {
+            required
+        };
         let name = volume.to_string();
         let _lock = self.lock(&name).await;
 
         let existing = self.store.get_volume(&name).await?;
         let state = match existing {
             Some(v) => {
-                let fits = v.spec.size_bytes >= required && (limit == 0 || v.spec.size_bytes <= limit);
+                let fits =
+                    v.spec.size_bytes >= required && (limit == 0 || v.spec.size_bytes <= limit);
                 if v.spec.access_mode != mode || v.spec.volume_mode != volume_mode || !fits {
                     return Err(ControllerError::AlreadyExists(
                         name,
-                        format!("{:?}/{:?} with {} bytes", v.spec.access_mode, v.spec.volume_mode, v.spec.size_bytes),
+                        format!(
+                            "{:?}/{:?} with {} bytes",
+                            v.spec.access_mode, v.spec.volume_mode, v.spec.size_bytes
+                        ),
                     ));
                 }
                 v
@@ -417,7 +557,11 @@ impl Controller {
                     access_mode: mode,
                     volume_mode,
                     protocol: protocol.metadata.name.clone().unwrap_or_default(),
-                    parameters: req.parameters.clone().into_iter().collect::<BTreeMap<_, _>>(),
+                    parameters: req
+                        .parameters
+                        .clone()
+                        .into_iter()
+                        .collect::<BTreeMap<_, _>>(),
                 };
                 // F10: the record exists before anything on a storage node.
                 match self.store.create_volume(&name, spec).await {
@@ -447,10 +591,19 @@ impl Controller {
             .map_err(agent_err("CreateVolume", &name))?
             .into_inner();
         if limit != 0 && created.size_bytes > limit {
-            return Err(ControllerError::OutOfRange(format!("the pool rounds the volume to {} bytes, above limit_bytes {limit}", created.size_bytes)));
+            return Err(ControllerError::OutOfRange(format!(
+                "the pool rounds the volume to {} bytes, above limit_bytes {limit}",
+                created.size_bytes
+            )));
         }
         let t = self.next_token(&name, &uid).await?;
-        let current = self.store.get_volume(&name).await?.ok_or_else(|| ControllerError::LifecycleGone { volume: name.clone() })?;
+        let current =
+            self.store
+                .get_volume(&name)
+                .await?
+                .ok_or_else(|| ControllerError::LifecycleGone {
+                    volume: name.clone(),
+                })?;
         let request = Self::export_request(&current, &protocol, t);
         let exported = self
             .with_resync(&agent, &client, |mut c| {
@@ -468,7 +621,9 @@ impl Controller {
             volume: Some(csi::Volume {
                 capacity_bytes: i64::try_from(created.size_bytes).unwrap_or(i64::MAX),
                 volume_id: name,
-                volume_context: [(context::NQN.to_owned(), exported.subsystem_nqn)].into_iter().collect(),
+                volume_context: [(context::NQN.to_owned(), exported.subsystem_nqn)]
+                    .into_iter()
+                    .collect(),
                 content_source: None,
                 accessible_topology: Vec::new(),
             }),
@@ -478,9 +633,14 @@ impl Controller {
     // ------------------------------------------------------------------ DeleteVolume
 
     /// DeleteVolume.
-    pub async fn delete_volume(&self, req: csi::DeleteVolumeRequest) -> Result<csi::DeleteVolumeResponse, ControllerError> {
+    pub async fn delete_volume(
+        &self,
+        req: csi::DeleteVolumeRequest,
+    ) -> Result<csi::DeleteVolumeResponse, ControllerError> {
         if req.volume_id.is_empty() {
-            return Err(ControllerError::InvalidArgument("volume ID is required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume ID is required".into(),
+            ));
         }
         let name = req.volume_id;
         let Ok(_) = volume_name(&name) else {
@@ -492,31 +652,55 @@ impl Controller {
         let Some(state) = self.store.get_volume(&name).await? else {
             return Ok(csi::DeleteVolumeResponse {});
         };
-        let published: Vec<String> = state.status_or_default().published_nodes.iter().map(|p| p.node.clone()).collect();
+        let published: Vec<String> = state
+            .status_or_default()
+            .published_nodes
+            .iter()
+            .map(|p| p.node.clone())
+            .collect();
         if !published.is_empty() {
-            return Err(ControllerError::StillPublished { volume: name, nodes: published });
+            return Err(ControllerError::StillPublished {
+                volume: name,
+                nodes: published,
+            });
         }
         let uid = state.metadata.uid.clone().unwrap_or_default();
         let (agent, client) = self.agent_of(&state).await?;
         let t = self.next_token(&name, &uid).await?;
         self.with_resync(&agent, &client, |mut c| {
-            let r = agent_api::UnexportRequest { token: t.clone(), volume_id: name.clone() };
+            let r = agent_api::UnexportRequest {
+                token: t.clone(),
+                volume_id: name.clone(),
+            };
             async move { c.unexport(r).await }
         })
         .await
         .map_err(agent_err("Unexport", &name))?;
         let t = self.next_token(&name, &uid).await?;
         self.with_resync(&agent, &client, |mut c| {
-            let r = agent_api::DeleteVolumeRequest { token: t.clone(), volume_id: name.clone(), pool: state.spec.pool.clone() };
+            let r = agent_api::DeleteVolumeRequest {
+                token: t.clone(),
+                volume_id: name.clone(),
+                pool: state.spec.pool.clone(),
+            };
             async move { c.delete_volume(r).await }
         })
         .await
         .map_err(agent_err("DeleteVolume", &name))?;
         for _ in 0..CAS_ATTEMPTS {
-            let Some(current) = self.store.get_volume(&name).await?.filter(|v| v.metadata.uid.as_deref() == Some(uid.as_str())) else {
+            let Some(current) = self
+                .store
+                .get_volume(&name)
+                .await?
+                .filter(|v| v.metadata.uid.as_deref() == Some(uid.as_str()))
+            else {
                 return Ok(csi::DeleteVolumeResponse {});
             };
-            match self.store.delete_volume(&name, &Revision::of(&current)?).await {
+            match self
+                .store
+                .delete_volume(&name, &Revision::of(&current)?)
+                .await
+            {
                 Ok(()) => {
                     tracing::info!(volume = %name, "volume deleted");
                     return Ok(csi::DeleteVolumeResponse {});
@@ -532,24 +716,41 @@ impl Controller {
     // ------------------------------------------------------------------ Publish
 
     /// ControllerPublishVolume.
-    pub async fn publish(&self, req: csi::ControllerPublishVolumeRequest) -> Result<csi::ControllerPublishVolumeResponse, ControllerError> {
+    pub async fn publish(
+        &self,
+        req: csi::ControllerPublishVolumeRequest,
+    ) -> Result<csi::ControllerPublishVolumeResponse, ControllerError> {
         if req.volume_id.is_empty() {
-            return Err(ControllerError::InvalidArgument("volume ID is required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume ID is required".into(),
+            ));
         }
         if req.node_id.is_empty() {
-            return Err(ControllerError::InvalidArgument("node ID is required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "node ID is required".into(),
+            ));
         }
-        let cap = req.volume_capability.as_ref().ok_or_else(|| ControllerError::InvalidArgument("volume capability is required".into()))?;
+        let cap = req.volume_capability.as_ref().ok_or_else(|| {
+            ControllerError::InvalidArgument("volume capability is required".into())
+        })?;
         let (mode, volume_mode) = capability(cap)?;
         let name = req.volume_id.clone();
         let Ok(_) = volume_name(&name) else {
             return Err(ControllerError::VolumeNotFound(name));
         };
-        let node = NodeId::parse(&req.node_id).map_err(|e| ControllerError::NodeNotFound(req.node_id.clone(), e.to_string()))?;
+        let node = NodeId::parse(&req.node_id)
+            .map_err(|e| ControllerError::NodeNotFound(req.node_id.clone(), e.to_string()))?;
         let _lock = self.lock(&name).await;
-        let state = self.store.get_volume(&name).await?.ok_or_else(|| ControllerError::VolumeNotFound(name.clone()))?;
+        let state = self
+            .store
+            .get_volume(&name)
+            .await?
+            .ok_or_else(|| ControllerError::VolumeNotFound(name.clone()))?;
         if state.spec.volume_mode != volume_mode {
-            return Err(ControllerError::InvalidArgument(format!("volume {name} is {:?}, the capability asks for {volume_mode:?}", state.spec.volume_mode)));
+            return Err(ControllerError::InvalidArgument(format!(
+                "volume {name} is {:?}, the capability asks for {volume_mode:?}",
+                state.spec.volume_mode
+            )));
         }
         let uid = state.metadata.uid.clone().unwrap_or_default();
         // Check the agent exists before recording anything (C1: nothing recorded that cannot
@@ -571,12 +772,26 @@ impl Controller {
                 for p in &status.published_nodes {
                     if p.node == wanted.node {
                         if p.revoking {
-                            return Err(ControllerError::Revoking { volume: name.clone(), node: p.node.clone() });
+                            return Err(ControllerError::Revoking {
+                                volume: name.clone(),
+                                node: p.node.clone(),
+                            });
                         }
-                        if p.access_mode != wanted.access_mode || p.readonly != wanted.readonly || p.host_nqn != wanted.host_nqn {
-                            return Err(ControllerError::PublishedDifferently { volume: name.clone(), node: p.node.clone() });
+                        if p.access_mode != wanted.access_mode
+                            || p.readonly != wanted.readonly
+                            || p.host_nqn != wanted.host_nqn
+                        {
+                            return Err(ControllerError::PublishedDifferently {
+                                volume: name.clone(),
+                                node: p.node.clone(),
+                            });
                         }
-                    } else if single_node(p.access_mode) || single_node(wanted.access_mode) || !(p.readonly || p.access_mode == AccessMode::MultiNodeReaderOnly) || !(wanted.readonly || wanted.access_mode == AccessMode::MultiNodeReaderOnly) {
+                    } else if single_node(p.access_mode)
+                        || single_node(wanted.access_mode)
+                        || !(p.readonly || p.access_mode == AccessMode::MultiNodeReaderOnly)
+                        || !(wanted.readonly
+                            || wanted.access_mode == AccessMode::MultiNodeReaderOnly)
+                    {
                         return Err(ControllerError::PublishedElsewhere {
                             volume: name.clone(),
                             node: p.node.clone(),
@@ -594,19 +809,44 @@ impl Controller {
             .await?;
         let t = token(&uid, generation);
         self.with_resync(&agent, &client, |mut c| {
-            let r = agent_api::GrantInitiatorRequest { token: t.clone(), volume_id: name.clone(), host_nqn: node.host_nqn.to_string() };
+            let r = agent_api::GrantInitiatorRequest {
+                token: t.clone(),
+                volume_id: name.clone(),
+                host_nqn: node.host_nqn.to_string(),
+            };
             async move { c.grant_initiator(r).await }
         })
         .await
         .map_err(agent_err("GrantInitiator", &name))?;
         let mut publish_context: HashMap<String, String> = [
-            (context::NQN, state.spec.volume_id.parse::<VolumeId>().map(|v| v.subsystem_nqn().to_string()).unwrap_or_default()),
+            (
+                context::NQN,
+                state
+                    .spec
+                    .volume_id
+                    .parse::<VolumeId>()
+                    .map(|v| v.subsystem_nqn().to_string())
+                    .unwrap_or_default(),
+            ),
             (context::TRADDR, agent.spec.nvme_address.clone()),
             (context::TRSVCID, protocol.spec.nvme_tcp.port.to_string()),
-            (context::CTRL_LOSS_TMO, protocol.spec.nvme_tcp.ctrl_loss_tmo.to_string()),
-            (context::RECONNECT_DELAY, protocol.spec.nvme_tcp.reconnect_delay.to_string()),
-            (context::FS_TYPE, protocol.spec.nvme_tcp.fs_type.as_str().to_owned()),
-            (context::MKFS_OPTIONS, serde_json::to_string(&protocol.spec.nvme_tcp.mkfs_options).unwrap_or_else(|_| "[]".into())),
+            (
+                context::CTRL_LOSS_TMO,
+                protocol.spec.nvme_tcp.ctrl_loss_tmo.to_string(),
+            ),
+            (
+                context::RECONNECT_DELAY,
+                protocol.spec.nvme_tcp.reconnect_delay.to_string(),
+            ),
+            (
+                context::FS_TYPE,
+                protocol.spec.nvme_tcp.fs_type.as_str().to_owned(),
+            ),
+            (
+                context::MKFS_OPTIONS,
+                serde_json::to_string(&protocol.spec.nvme_tcp.mkfs_options)
+                    .unwrap_or_else(|_| "[]".into()),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
@@ -620,37 +860,58 @@ impl Controller {
 
     /// With an agent on the configfs test double no host can connect over NVMe/TCP; the
     /// single-machine mode hands the node the local device instead, and says so.
-    async fn local_device(&self, client: &Client, state: &PillarVolumeState) -> Result<Option<String>, ControllerError> {
+    async fn local_device(
+        &self,
+        client: &Client,
+        state: &PillarVolumeState,
+    ) -> Result<Option<String>, ControllerError> {
         let mut c = client.clone();
-        let caps = c.get_capabilities(agent_api::GetCapabilitiesRequest {}).await.map_err(agent_err("GetCapabilities", &state.spec.volume_id))?.into_inner();
+        let caps = c
+            .get_capabilities(agent_api::GetCapabilitiesRequest {})
+            .await
+            .map_err(agent_err("GetCapabilities", &state.spec.volume_id))?
+            .into_inner();
         if caps.target != "test-double" {
             return Ok(None);
         }
         let volumes = c
-            .list_volumes(agent_api::ListVolumesRequest { pool: state.spec.pool.clone() })
+            .list_volumes(agent_api::ListVolumesRequest {
+                pool: state.spec.pool.clone(),
+            })
             .await
             .map_err(agent_err("ListVolumes", &state.spec.volume_id))?
             .into_inner()
             .volumes;
-        Ok(volumes.into_iter().find(|v| v.volume_id == state.spec.volume_id).map(|v| v.device_path))
+        Ok(volumes
+            .into_iter()
+            .find(|v| v.volume_id == state.spec.volume_id)
+            .map(|v| v.device_path))
     }
 
     // ------------------------------------------------------------------ Unpublish
 
     /// ControllerUnpublishVolume. An empty node ID unpublishes from every node.
-    pub async fn unpublish(&self, req: csi::ControllerUnpublishVolumeRequest) -> Result<csi::ControllerUnpublishVolumeResponse, ControllerError> {
+    pub async fn unpublish(
+        &self,
+        req: csi::ControllerUnpublishVolumeRequest,
+    ) -> Result<csi::ControllerUnpublishVolumeResponse, ControllerError> {
         if req.volume_id.is_empty() {
-            return Err(ControllerError::InvalidArgument("volume ID is required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume ID is required".into(),
+            ));
         }
         let name = req.volume_id.clone();
         let Ok(_) = volume_name(&name) else {
             return Ok(csi::ControllerUnpublishVolumeResponse {});
         };
-        let only: Option<String> = if req.node_id.is_empty() {
-            None
-        } else {
-            Some(NodeId::parse(&req.node_id).map(|n| n.node).map_err(|e| ControllerError::NodeNotFound(req.node_id.clone(), e.to_string()))?)
-        };
+        let only: Option<String> =
+            if req.node_id.is_empty() {
+                None
+            } else {
+                Some(NodeId::parse(&req.node_id).map(|n| n.node).map_err(|e| {
+                    ControllerError::NodeNotFound(req.node_id.clone(), e.to_string())
+                })?)
+            };
         let _lock = self.lock(&name).await;
         let Some(state) = self.store.get_volume(&name).await? else {
             return Ok(csi::ControllerUnpublishVolumeResponse {});
@@ -683,7 +944,11 @@ impl Controller {
                 .await?;
             let t = token(&uid, generation);
             self.with_resync(&agent, &client, |mut c| {
-                let r = agent_api::RevokeInitiatorRequest { token: t.clone(), volume_id: name.clone(), host_nqn: target.host_nqn.clone() };
+                let r = agent_api::RevokeInitiatorRequest {
+                    token: t.clone(),
+                    volume_id: name.clone(),
+                    host_nqn: target.host_nqn.clone(),
+                };
                 async move { c.revoke_initiator(r).await }
             })
             .await
@@ -702,24 +967,43 @@ impl Controller {
     // ------------------------------------------------------------------ Others
 
     /// ValidateVolumeCapabilities.
-    pub async fn validate(&self, req: csi::ValidateVolumeCapabilitiesRequest) -> Result<csi::ValidateVolumeCapabilitiesResponse, ControllerError> {
+    pub async fn validate(
+        &self,
+        req: csi::ValidateVolumeCapabilitiesRequest,
+    ) -> Result<csi::ValidateVolumeCapabilitiesResponse, ControllerError> {
         if req.volume_id.is_empty() {
-            return Err(ControllerError::InvalidArgument("volume ID is required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume ID is required".into(),
+            ));
         }
         if req.volume_capabilities.is_empty() {
-            return Err(ControllerError::InvalidArgument("volume capabilities are required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume capabilities are required".into(),
+            ));
         }
         let Ok(_) = volume_name(&req.volume_id) else {
             return Err(ControllerError::VolumeNotFound(req.volume_id));
         };
-        let state = self.store.get_volume(&req.volume_id).await?.ok_or_else(|| ControllerError::VolumeNotFound(req.volume_id.clone()))?;
-        let unsupported = req.volume_capabilities.iter().find_map(|c| match capability(c) {
-            Err(e) => Some(e.to_string()),
-            Ok((_, vm)) if vm != state.spec.volume_mode => Some(format!("volume is {:?}", state.spec.volume_mode)),
-            Ok(_) => None,
-        });
+        let state = self
+            .store
+            .get_volume(&req.volume_id)
+            .await?
+            .ok_or_else(|| ControllerError::VolumeNotFound(req.volume_id.clone()))?;
+        let unsupported = req
+            .volume_capabilities
+            .iter()
+            .find_map(|c| match capability(c) {
+                Err(e) => Some(e.to_string()),
+                Ok((_, vm)) if vm != state.spec.volume_mode => {
+                    Some(format!("volume is {:?}", state.spec.volume_mode))
+                }
+                Ok(_) => None,
+            });
         Ok(match unsupported {
-            Some(message) => csi::ValidateVolumeCapabilitiesResponse { confirmed: None, message },
+            Some(message) => csi::ValidateVolumeCapabilitiesResponse {
+                confirmed: None,
+                message,
+            },
             None => csi::ValidateVolumeCapabilitiesResponse {
                 confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
                     volume_context: req.volume_context,
@@ -746,65 +1030,137 @@ impl Controller {
         v.status_or_default()
             .published_nodes
             .iter()
-            .filter_map(|p| NodeId { node: p.node.clone(), host_nqn: p.host_nqn.parse().ok()? }.format().ok())
+            .filter_map(|p| {
+                NodeId {
+                    node: p.node.clone(),
+                    host_nqn: p.host_nqn.parse().ok()?,
+                }
+                .format()
+                .ok()
+            })
             .collect()
     }
 
     /// ListVolumes, with the nodes each volume is published to.
-    pub async fn list(&self, req: csi::ListVolumesRequest) -> Result<csi::ListVolumesResponse, ControllerError> {
+    pub async fn list(
+        &self,
+        req: csi::ListVolumesRequest,
+    ) -> Result<csi::ListVolumesResponse, ControllerError> {
         let volumes = self.store.list_volumes().await?;
         let start = if req.starting_token.is_empty() {
             0
         } else {
             match req.starting_token.parse::<usize>() {
                 Ok(n) if n <= volumes.len() => n,
-                _ => return Err(ControllerError::Contention { volume: format!("(invalid starting_token {:?})", req.starting_token) }),
+                _ => {
+                    return Err(ControllerError::Contention {
+                        volume: format!("(invalid starting_token {:?})", req.starting_token),
+                    });
+                }
             }
         };
-        let max = usize::try_from(req.max_entries).map_err(|_| ControllerError::InvalidArgument("max_entries must not be negative".into()))?;
-        let end = if max == 0 { volumes.len() } else { (start + max).min(volumes.len()) };
+        let max = usize::try_from(req.max_entries).map_err(|_| {
+            ControllerError::InvalidArgument("max_entries must not be negative".into())
+        })?;
+        let end = if max == 0 {
+            volumes.len()
+        } else {
+            (start + max).min(volumes.len())
+        };
         let entries = volumes[start..end]
             .iter()
             .map(|v| csi::list_volumes_response::Entry {
                 volume: Some(Self::csi_volume(v)),
-                status: Some(csi::list_volumes_response::VolumeStatus { published_node_ids: Self::node_ids(v), volume_condition: None }),
+                status: Some(csi::list_volumes_response::VolumeStatus {
+                    published_node_ids: Self::node_ids(v),
+                    volume_condition: None,
+                }),
             })
             .collect();
-        let next_token = if end < volumes.len() { end.to_string() } else { String::new() };
-        Ok(csi::ListVolumesResponse { entries, next_token })
+        let next_token = if end < volumes.len() {
+            end.to_string()
+        } else {
+            String::new()
+        };
+        Ok(csi::ListVolumesResponse {
+            entries,
+            next_token,
+        })
     }
 
     /// ControllerGetVolume.
-    pub async fn get(&self, req: csi::ControllerGetVolumeRequest) -> Result<csi::ControllerGetVolumeResponse, ControllerError> {
+    pub async fn get(
+        &self,
+        req: csi::ControllerGetVolumeRequest,
+    ) -> Result<csi::ControllerGetVolumeResponse, ControllerError> {
         if req.volume_id.is_empty() {
-            return Err(ControllerError::InvalidArgument("volume ID is required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume ID is required".into(),
+            ));
         }
         let Ok(_) = volume_name(&req.volume_id) else {
             return Err(ControllerError::VolumeNotFound(req.volume_id));
         };
-        let v = self.store.get_volume(&req.volume_id).await?.ok_or_else(|| ControllerError::VolumeNotFound(req.volume_id.clone()))?;
-        let revoking: Vec<String> = v.status_or_default().published_nodes.iter().filter(|p| p.revoking).map(|p| p.node.clone()).collect();
+        let v = self
+            .store
+            .get_volume(&req.volume_id)
+            .await?
+            .ok_or_else(|| ControllerError::VolumeNotFound(req.volume_id.clone()))?;
+        let revoking: Vec<String> = v
+            .status_or_default()
+            .published_nodes
+            .iter()
+            .filter(|p| p.revoking)
+            .map(|p| p.node.clone())
+            .collect();
         let condition = csi::VolumeCondition {
             abnormal: !revoking.is_empty(),
-            message: if revoking.is_empty() { "ok".into() } else { format!("unpublish from {revoking:?} not yet confirmed by the storage node") },
+            message: if revoking.is_empty() {
+                "ok".into()
+            } else {
+                format!("unpublish from {revoking:?} not yet confirmed by the storage node")
+            },
         };
         Ok(csi::ControllerGetVolumeResponse {
             volume: Some(Self::csi_volume(&v)),
-            status: Some(csi::controller_get_volume_response::VolumeStatus { published_node_ids: Self::node_ids(&v), volume_condition: Some(condition) }),
+            status: Some(csi::controller_get_volume_response::VolumeStatus {
+                published_node_ids: Self::node_ids(&v),
+                volume_condition: Some(condition),
+            }),
         })
     }
 
     /// GetCapacity: one pool when parameters name it, else every agent's pools together.
-    pub async fn capacity(&self, req: csi::GetCapacityRequest) -> Result<csi::GetCapacityResponse, ControllerError> {
-        let targets: Vec<(PillarAgent, String)> = if req.parameters.contains_key(params::AGENT) || req.parameters.contains_key(params::POOL) {
+    pub async fn capacity(
+        &self,
+        req: csi::GetCapacityRequest,
+    ) -> Result<csi::GetCapacityResponse, ControllerError> {
+        let targets: Vec<(PillarAgent, String)> = if req.parameters.contains_key(params::AGENT)
+            || req.parameters.contains_key(params::POOL)
+        {
             vec![self.pick_agent(&req.parameters).await?]
         } else {
-            self.store.list_agents().await?.into_iter().flat_map(|a| a.spec.pools.iter().map(|p| (a.clone(), p.name.clone())).collect::<Vec<_>>()).collect()
+            self.store
+                .list_agents()
+                .await?
+                .into_iter()
+                .flat_map(|a| {
+                    a.spec
+                        .pools
+                        .iter()
+                        .map(|p| (a.clone(), p.name.clone()))
+                        .collect::<Vec<_>>()
+                })
+                .collect()
         };
         let mut available = 0u64;
         for (agent, pool) in targets {
             let mut c = self.agents.client(&agent).await?;
-            let cap = c.get_capacity(agent_api::GetCapacityRequest { pool }).await.map_err(agent_err("GetCapacity", ""))?.into_inner();
+            let cap = c
+                .get_capacity(agent_api::GetCapacityRequest { pool })
+                .await
+                .map_err(agent_err("GetCapacity", ""))?
+                .into_inner();
             available = available.saturating_add(cap.available_bytes);
         }
         Ok(csi::GetCapacityResponse {
@@ -815,35 +1171,63 @@ impl Controller {
     }
 
     /// ControllerExpandVolume.
-    pub async fn expand(&self, req: csi::ControllerExpandVolumeRequest) -> Result<csi::ControllerExpandVolumeResponse, ControllerError> {
+    pub async fn expand(
+        &self,
+        req: csi::ControllerExpandVolumeRequest,
+    ) -> Result<csi::ControllerExpandVolumeResponse, ControllerError> {
         if req.volume_id.is_empty() {
-            return Err(ControllerError::InvalidArgument("volume ID is required".into()));
+            return Err(ControllerError::InvalidArgument(
+                "volume ID is required".into(),
+            ));
         }
-        let range = req.capacity_range.ok_or_else(|| ControllerError::InvalidArgument("capacity range is required".into()))?;
-        let required = u64::try_from(range.required_bytes).map_err(|_| ControllerError::InvalidArgument("required_bytes must not be negative".into()))?;
+        let range = req
+            .capacity_range
+            .ok_or_else(|| ControllerError::InvalidArgument("capacity range is required".into()))?;
+        let required = u64::try_from(range.required_bytes).map_err(|_| {
+            ControllerError::InvalidArgument("required_bytes must not be negative".into())
+        })?;
         let name = req.volume_id.clone();
         let Ok(_) = volume_name(&name) else {
             return Err(ControllerError::VolumeNotFound(name));
         };
         let _lock = self.lock(&name).await;
-        let state = self.store.get_volume(&name).await?.ok_or_else(|| ControllerError::VolumeNotFound(name.clone()))?;
+        let state = self
+            .store
+            .get_volume(&name)
+            .await?
+            .ok_or_else(|| ControllerError::VolumeNotFound(name.clone()))?;
         let uid = state.metadata.uid.clone().unwrap_or_default();
         let (agent, client) = self.agent_of(&state).await?;
         let t = self.next_token(&name, &uid).await?;
         let grown = self
             .with_resync(&agent, &client, |mut c| {
-                let r = agent_api::ExpandVolumeRequest { token: t.clone(), volume_id: name.clone(), pool: state.spec.pool.clone(), size_bytes: required.max(1) };
+                let r = agent_api::ExpandVolumeRequest {
+                    token: t.clone(),
+                    volume_id: name.clone(),
+                    pool: state.spec.pool.clone(),
+                    size_bytes: required.max(1),
+                };
                 async move { c.expand_volume(r).await }
             })
             .await
             .map_err(agent_err("ExpandVolume", &name))?
             .into_inner();
         for _ in 0..CAS_ATTEMPTS {
-            let current = self.store.get_volume(&name).await?.filter(|v| v.metadata.uid.as_deref() == Some(uid.as_str()));
-            let Some(current) = current else { return Err(ControllerError::LifecycleGone { volume: name }) };
+            let current = self
+                .store
+                .get_volume(&name)
+                .await?
+                .filter(|v| v.metadata.uid.as_deref() == Some(uid.as_str()));
+            let Some(current) = current else {
+                return Err(ControllerError::LifecycleGone { volume: name });
+            };
             let mut spec = current.spec.clone();
             spec.size_bytes = grown.size_bytes;
-            match self.store.replace_volume_spec(&name, &Revision::of(&current)?, spec).await {
+            match self
+                .store
+                .replace_volume_spec(&name, &Revision::of(&current)?, spec)
+                .await
+            {
                 Ok(_) => break,
                 Err(e) if e.is_conflict() => continue,
                 Err(e) => return Err(e.into()),
@@ -858,11 +1242,20 @@ impl Controller {
     // ------------------------------------------------------------------ Resync
 
     /// Sends `agent` the complete export state of its node (C3). Each volume gets a fresh token.
-    pub async fn resync_agent(&self, agent: &PillarAgent) -> Result<agent_api::ResyncExportsResponse, ControllerError> {
+    pub async fn resync_agent(
+        &self,
+        agent: &PillarAgent,
+    ) -> Result<agent_api::ResyncExportsResponse, ControllerError> {
         let _one_at_a_time = self.resync_lock.lock().await;
         let name = agent.metadata.name.clone().unwrap_or_default();
         let mut exports = Vec::new();
-        for v in self.store.list_volumes().await?.into_iter().filter(|v| v.spec.agent == name) {
+        for v in self
+            .store
+            .list_volumes()
+            .await?
+            .into_iter()
+            .filter(|v| v.spec.agent == name)
+        {
             let uid = v.metadata.uid.clone().unwrap_or_default();
             let protocol = self.protocol_of(&v).await?;
             let t = match self.next_token(&v.spec.volume_id, &uid).await {
@@ -910,7 +1303,10 @@ impl Controller {
                 }
             };
             match health {
-                Ok(h) if h.get_ref().state() == agent_api::health_response::State::WaitingForResync => {
+                Ok(h)
+                    if h.get_ref().state()
+                        == agent_api::health_response::State::WaitingForResync =>
+                {
                     if let Err(e) = self.resync_agent(&agent).await {
                         tracing::warn!(agent = %name, error = %describe(&e), "resync failed");
                     }
@@ -949,7 +1345,11 @@ impl ControllerService {
     }
 }
 
-async fn respond<T>(method: &'static str, volume: &str, work: impl Future<Output = Result<T, ControllerError>>) -> Result<Response<T>, Status> {
+async fn respond<T>(
+    method: &'static str,
+    volume: &str,
+    work: impl Future<Output = Result<T, ControllerError>>,
+) -> Result<Response<T>, Status> {
     use tracing::Instrument;
     let span = tracing::info_span!("csi", method, volume_id = volume);
     match work.instrument(span.clone()).await {
@@ -964,39 +1364,85 @@ async fn respond<T>(method: &'static str, volume: &str, work: impl Future<Output
 
 fn cap(t: csi::controller_service_capability::rpc::Type) -> csi::ControllerServiceCapability {
     csi::ControllerServiceCapability {
-        r#type: Some(csi::controller_service_capability::Type::Rpc(csi::controller_service_capability::Rpc { r#type: t.into() })),
+        r#type: Some(csi::controller_service_capability::Type::Rpc(
+            csi::controller_service_capability::Rpc { r#type: t.into() },
+        )),
     }
 }
 
 #[tonic::async_trait]
 impl csi::controller_server::Controller for ControllerService {
-    async fn create_volume(&self, r: Request<csi::CreateVolumeRequest>) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+    async fn create_volume(
+        &self,
+        r: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let r = r.into_inner();
         respond("CreateVolume", &r.name.clone(), self.inner.create_volume(r)).await
     }
-    async fn delete_volume(&self, r: Request<csi::DeleteVolumeRequest>) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+    async fn delete_volume(
+        &self,
+        r: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
         let r = r.into_inner();
-        respond("DeleteVolume", &r.volume_id.clone(), self.inner.delete_volume(r)).await
+        respond(
+            "DeleteVolume",
+            &r.volume_id.clone(),
+            self.inner.delete_volume(r),
+        )
+        .await
     }
-    async fn controller_publish_volume(&self, r: Request<csi::ControllerPublishVolumeRequest>) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+    async fn controller_publish_volume(
+        &self,
+        r: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
         let r = r.into_inner();
-        respond("ControllerPublishVolume", &r.volume_id.clone(), self.inner.publish(r)).await
+        respond(
+            "ControllerPublishVolume",
+            &r.volume_id.clone(),
+            self.inner.publish(r),
+        )
+        .await
     }
-    async fn controller_unpublish_volume(&self, r: Request<csi::ControllerUnpublishVolumeRequest>) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+    async fn controller_unpublish_volume(
+        &self,
+        r: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
         let r = r.into_inner();
-        respond("ControllerUnpublishVolume", &r.volume_id.clone(), self.inner.unpublish(r)).await
+        respond(
+            "ControllerUnpublishVolume",
+            &r.volume_id.clone(),
+            self.inner.unpublish(r),
+        )
+        .await
     }
-    async fn validate_volume_capabilities(&self, r: Request<csi::ValidateVolumeCapabilitiesRequest>) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+    async fn validate_volume_capabilities(
+        &self,
+        r: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
         let r = r.into_inner();
-        respond("ValidateVolumeCapabilities", &r.volume_id.clone(), self.inner.validate(r)).await
+        respond(
+            "ValidateVolumeCapabilities",
+            &r.volume_id.clone(),
+            self.inner.validate(r),
+        )
+        .await
     }
-    async fn list_volumes(&self, r: Request<csi::ListVolumesRequest>) -> Result<Response<csi::ListVolumesResponse>, Status> {
+    async fn list_volumes(
+        &self,
+        r: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         respond("ListVolumes", "", self.inner.list(r.into_inner())).await
     }
-    async fn get_capacity(&self, r: Request<csi::GetCapacityRequest>) -> Result<Response<csi::GetCapacityResponse>, Status> {
+    async fn get_capacity(
+        &self,
+        r: Request<csi::GetCapacityRequest>,
+    ) -> Result<Response<csi::GetCapacityResponse>, Status> {
         respond("GetCapacity", "", self.inner.capacity(r.into_inner())).await
     }
-    async fn controller_get_capabilities(&self, _: Request<csi::ControllerGetCapabilitiesRequest>) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
         use csi::controller_service_capability::rpc::Type;
         Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
             capabilities: [
@@ -1015,27 +1461,60 @@ impl csi::controller_server::Controller for ControllerService {
             .collect(),
         }))
     }
-    async fn create_snapshot(&self, _: Request<csi::CreateSnapshotRequest>) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+    async fn create_snapshot(
+        &self,
+        _: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
         Err(Status::unimplemented("snapshots are not supported"))
     }
-    async fn delete_snapshot(&self, _: Request<csi::DeleteSnapshotRequest>) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+    async fn delete_snapshot(
+        &self,
+        _: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
         Err(Status::unimplemented("snapshots are not supported"))
     }
-    async fn list_snapshots(&self, _: Request<csi::ListSnapshotsRequest>) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+    async fn list_snapshots(
+        &self,
+        _: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
         Err(Status::unimplemented("snapshots are not supported"))
     }
-    async fn get_snapshot(&self, _: Request<csi::GetSnapshotRequest>) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+    async fn get_snapshot(
+        &self,
+        _: Request<csi::GetSnapshotRequest>,
+    ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
         Err(Status::unimplemented("snapshots are not supported"))
     }
-    async fn controller_expand_volume(&self, r: Request<csi::ControllerExpandVolumeRequest>) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+    async fn controller_expand_volume(
+        &self,
+        r: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
         let r = r.into_inner();
-        respond("ControllerExpandVolume", &r.volume_id.clone(), self.inner.expand(r)).await
+        respond(
+            "ControllerExpandVolume",
+            &r.volume_id.clone(),
+            self.inner.expand(r),
+        )
+        .await
     }
-    async fn controller_get_volume(&self, r: Request<csi::ControllerGetVolumeRequest>) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+    async fn controller_get_volume(
+        &self,
+        r: Request<csi::ControllerGetVolumeRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
         let r = r.into_inner();
-        respond("ControllerGetVolume", &r.volume_id.clone(), self.inner.get(r)).await
+        respond(
+            "ControllerGetVolume",
+            &r.volume_id.clone(),
+            self.inner.get(r),
+        )
+        .await
     }
-    async fn controller_modify_volume(&self, _: Request<csi::ControllerModifyVolumeRequest>) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
-        Err(Status::unimplemented("volume modification is not supported"))
+    async fn controller_modify_volume(
+        &self,
+        _: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "volume modification is not supported",
+        ))
     }
 }

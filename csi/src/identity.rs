@@ -15,7 +15,10 @@ pub struct IdentityService {
 
 #[tonic::async_trait]
 impl csi::identity_server::Identity for IdentityService {
-    async fn get_plugin_info(&self, _: Request<csi::GetPluginInfoRequest>) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+    async fn get_plugin_info(
+        &self,
+        _: Request<csi::GetPluginInfoRequest>,
+    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
         Ok(Response::new(csi::GetPluginInfoResponse {
             name: DRIVER_NAME.to_owned(),
             vendor_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -23,20 +26,32 @@ impl csi::identity_server::Identity for IdentityService {
         }))
     }
 
-    async fn get_plugin_capabilities(&self, _: Request<csi::GetPluginCapabilitiesRequest>) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
+    async fn get_plugin_capabilities(
+        &self,
+        _: Request<csi::GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
         use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
         let mut capabilities = vec![csi::PluginCapability {
-            r#type: Some(Type::VolumeExpansion(VolumeExpansion { r#type: volume_expansion::Type::Online.into() })),
+            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                r#type: volume_expansion::Type::Online.into(),
+            })),
         }];
         if self.controller {
             capabilities.push(csi::PluginCapability {
-                r#type: Some(Type::Service(Service { r#type: service::Type::ControllerService.into() })),
+                r#type: Some(Type::Service(Service {
+                    r#type: service::Type::ControllerService.into(),
+                })),
             });
         }
-        Ok(Response::new(csi::GetPluginCapabilitiesResponse { capabilities }))
+        Ok(Response::new(csi::GetPluginCapabilitiesResponse {
+            capabilities,
+        }))
     }
 
-    async fn probe(&self, _: Request<csi::ProbeRequest>) -> Result<Response<csi::ProbeResponse>, Status> {
+    async fn probe(
+        &self,
+        _: Request<csi::ProbeRequest>,
+    ) -> Result<Response<csi::ProbeResponse>, Status> {
         Ok(Response::new(csi::ProbeResponse { ready: Some(true) }))
     }
 }

@@ -9,9 +9,12 @@ pub mod csi {
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("csi_descriptor");
 }
 
-pub mod context;
-pub mod node_id;
 pub mod agents;
+pub mod context;
 pub mod controller;
+pub mod demo;
 pub mod identity;
+pub mod local;
+pub mod node;
+pub mod node_id;
 pub mod serve;

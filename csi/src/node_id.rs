@@ -28,12 +28,20 @@ pub struct NodeId {
 impl NodeId {
     /// Parses `<node-name>/<host-nqn>`.
     pub fn parse(id: &str) -> Result<Self, NodeIdError> {
-        let (node, nqn) = id.split_once('/').ok_or_else(|| NodeIdError::Shape(id.to_owned()))?;
+        let (node, nqn) = id
+            .split_once('/')
+            .ok_or_else(|| NodeIdError::Shape(id.to_owned()))?;
         if node.is_empty() || node.len() > 253 {
             return Err(NodeIdError::Shape(id.to_owned()));
         }
-        let host_nqn = HostNqn::parse(nqn).map_err(|e| NodeIdError::HostNqn { id: id.to_owned(), reason: e.to_string() })?;
-        Ok(Self { node: node.to_owned(), host_nqn })
+        let host_nqn = HostNqn::parse(nqn).map_err(|e| NodeIdError::HostNqn {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            node: node.to_owned(),
+            host_nqn,
+        })
     }
 
     /// Formats the ID, refusing one longer than CSI allows.
@@ -56,7 +64,13 @@ mod tests {
         let parsed = NodeId::parse(id).unwrap();
         assert_eq!(parsed.node, "worker-1");
         assert_eq!(parsed.format().unwrap(), id);
-        for bad in ["", "worker-1", "/nqn.2014-08.com.example:x", "w/not-an-nqn", "w/nqn.2014-08.com.example:a,b"] {
+        for bad in [
+            "",
+            "worker-1",
+            "/nqn.2014-08.com.example:x",
+            "w/not-an-nqn",
+            "w/nqn.2014-08.com.example:a,b",
+        ] {
             assert!(NodeId::parse(bad).is_err(), "{bad:?}");
         }
     }

@@ -12,7 +12,10 @@ use crate::identity::IdentityService;
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("cannot bind CSI socket {path}")]
-    Bind { path: PathBuf, source: std::io::Error },
+    Bind {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("building gRPC reflection")]
     Reflection(#[source] tonic_reflection::server::Error),
     #[error("CSI gRPC server failed")]
@@ -40,7 +43,10 @@ where
     if let Some(parent) = socket.parent() {
         let _ = std::fs::create_dir_all(parent);
     }
-    let listener = tokio::net::UnixListener::bind(socket).map_err(|source| ServeError::Bind { path: socket.to_owned(), source })?;
+    let listener = tokio::net::UnixListener::bind(socket).map_err(|source| ServeError::Bind {
+        path: socket.to_owned(),
+        source,
+    })?;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(csi::FILE_DESCRIPTOR_SET)
         .build_v1()
@@ -51,7 +57,10 @@ where
         .add_optional_service(controller.map(csi::controller_server::ControllerServer::new))
         .add_optional_service(node.map(csi::node_server::NodeServer::new))
         .add_service(reflection)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(listener),
+            shutdown,
+        )
         .await
         .map_err(ServeError::Serve)
 }

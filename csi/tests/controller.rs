@@ -7,25 +7,42 @@ mod support;
 use pillar_agent_api::v1 as agent_api;
 use pillar_csi::csi;
 use pillar_state::store::Revision;
-use support::{AGENT, Env, Mode, StoreKind, create, delete, host, node_id, nqn, publish, unpublish};
+use support::{
+    AGENT, Env, Mode, StoreKind, create, delete, host, node_id, nqn, publish, unpublish,
+};
 use tonic::Code;
 
 const STORES: [StoreKind; 2] = [StoreKind::Embedded, StoreKind::Kube];
 
 async fn published_nodes(env: &Env, volume: &str) -> Vec<(String, bool)> {
     let v = env.store.get_volume(volume).await.unwrap().unwrap();
-    v.status_or_default().published_nodes.into_iter().map(|p| (p.node, p.revoking)).collect()
+    v.status_or_default()
+        .published_nodes
+        .into_iter()
+        .map(|p| (p.node, p.revoking))
+        .collect()
 }
 
 /// Moves the agent's fencing mark for `volume` far ahead, so every later controller call with
 /// an ordinary generation is refused there: a stand-in for a failing grant or revoke.
 async fn fence_ahead(env: &Env, volume: &str) {
-    let uid = env.store.get_volume(volume).await.unwrap().unwrap().metadata.uid.unwrap();
+    let uid = env
+        .store
+        .get_volume(volume)
+        .await
+        .unwrap()
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
     let ch = support::channel(&env.agent.socket).await;
     let mut agent = agent_api::agent_client::AgentClient::new(ch);
     agent
         .revoke_initiator(agent_api::RevokeInitiatorRequest {
-            token: Some(agent_api::FencingToken { lifecycle_uid: uid, generation: 1_000_000 }),
+            token: Some(agent_api::FencingToken {
+                lifecycle_uid: uid,
+                generation: 1_000_000,
+            }),
             volume_id: volume.into(),
             host_nqn: host(99),
         })
@@ -39,37 +56,85 @@ async fn the_publish_table() {
     for kind in STORES {
         let mut env = Env::start(kind, true).await;
         let c = &mut env.client;
-        c.create_volume(create("rwo-vol", Mode::SingleNodeWriter)).await.unwrap();
-        let ctx = c.controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, false)).await.unwrap().into_inner().publish_context;
+        c.create_volume(create("rwo-vol", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        let ctx = c
+            .controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap()
+            .into_inner()
+            .publish_context;
         assert_eq!(ctx[pillar_csi::context::NQN], nqn("rwo-vol"));
         assert_eq!(ctx[pillar_csi::context::TRADDR], "127.0.0.1");
         // W1: recorded, and granted on the target (acl: only published hosts).
-        assert_eq!(published_nodes(&env, "rwo-vol").await, vec![("node-1".into(), false)]);
+        assert_eq!(
+            published_nodes(&env, "rwo-vol").await,
+            vec![("node-1".into(), false)]
+        );
         let sub = &env.agent.state().subsystems[&nqn("rwo-vol")];
-        assert!(!sub.allow_any_host && sub.allowed_hosts.contains(&host(1)), "{kind:?}");
+        assert!(
+            !sub.allow_any_host && sub.allowed_hosts.contains(&host(1)),
+            "{kind:?}"
+        );
         let c = &mut env.client;
         // Idempotent: the same publication again.
-        c.controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, false)).await.unwrap();
+        c.controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
 
         // RWO on node-1 + any mode on node-2: FAILED_PRECONDITION naming node-1.
-        for mode in [Mode::SingleNodeWriter, Mode::MultiNodeReaderOnly, Mode::SingleNodeSingleWriter] {
-            let s = c.controller_publish_volume(publish("rwo-vol", 2, mode, mode == Mode::MultiNodeReaderOnly)).await.unwrap_err();
-            assert_eq!(s.code(), Code::FailedPrecondition, "{kind:?} {mode:?}: {}", s.message());
+        for mode in [
+            Mode::SingleNodeWriter,
+            Mode::MultiNodeReaderOnly,
+            Mode::SingleNodeSingleWriter,
+        ] {
+            let s = c
+                .controller_publish_volume(publish(
+                    "rwo-vol",
+                    2,
+                    mode,
+                    mode == Mode::MultiNodeReaderOnly,
+                ))
+                .await
+                .unwrap_err();
+            assert_eq!(
+                s.code(),
+                Code::FailedPrecondition,
+                "{kind:?} {mode:?}: {}",
+                s.message()
+            );
             assert!(s.message().contains("node-1"), "{}", s.message());
         }
         // Same node, another mode or readonly flag: ALREADY_EXISTS.
-        let s = c.controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, true)).await.unwrap_err();
+        let s = c
+            .controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, true))
+            .await
+            .unwrap_err();
         assert_eq!(s.code(), Code::AlreadyExists, "{}", s.message());
-        let s = c.controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeSingleWriter, false)).await.unwrap_err();
+        let s = c
+            .controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeSingleWriter, false))
+            .await
+            .unwrap_err();
         assert_eq!(s.code(), Code::AlreadyExists, "{}", s.message());
         // Node-2 got nothing on the target.
-        assert!(!env.agent.state().subsystems[&nqn("rwo-vol")].allowed_hosts.contains(&host(2)));
+        assert!(
+            !env.agent.state().subsystems[&nqn("rwo-vol")]
+                .allowed_hosts
+                .contains(&host(2))
+        );
 
         // ROX + ROX on two nodes: allowed.
         let c = &mut env.client;
-        c.create_volume(create("rox-vol", Mode::MultiNodeReaderOnly)).await.unwrap();
-        c.controller_publish_volume(publish("rox-vol", 1, Mode::MultiNodeReaderOnly, true)).await.unwrap();
-        c.controller_publish_volume(publish("rox-vol", 2, Mode::MultiNodeReaderOnly, true)).await.unwrap();
+        c.create_volume(create("rox-vol", Mode::MultiNodeReaderOnly))
+            .await
+            .unwrap();
+        c.controller_publish_volume(publish("rox-vol", 1, Mode::MultiNodeReaderOnly, true))
+            .await
+            .unwrap();
+        c.controller_publish_volume(publish("rox-vol", 2, Mode::MultiNodeReaderOnly, true))
+            .await
+            .unwrap();
         let hosts = &env.agent.state().subsystems[&nqn("rox-vol")].allowed_hosts;
         assert!(hosts.contains(&host(1)) && hosts.contains(&host(2)));
 
@@ -77,20 +142,37 @@ async fn the_publish_table() {
         let v = env.store.get_volume("rwo-vol").await.unwrap().unwrap();
         let mut status = v.status_or_default();
         status.published_nodes[0].revoking = true;
-        env.store.replace_volume_status("rwo-vol", &Revision::of(&v).unwrap(), status).await.unwrap();
-        let s = env.client.controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, false)).await.unwrap_err();
+        env.store
+            .replace_volume_status("rwo-vol", &Revision::of(&v).unwrap(), status)
+            .await
+            .unwrap();
+        let s = env
+            .client
+            .controller_publish_volume(publish("rwo-vol", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap_err();
         assert_eq!(s.code(), Code::Aborted, "{}", s.message());
 
         let c = &mut env.client;
         for (v, n) in [("rwo-vol", 1), ("rox-vol", 1), ("rox-vol", 2)] {
-            c.controller_unpublish_volume(unpublish(v, n)).await.unwrap();
+            c.controller_unpublish_volume(unpublish(v, n))
+                .await
+                .unwrap();
         }
         // After the unpublish, node-2 may take the RWO volume.
-        c.controller_publish_volume(publish("rwo-vol", 2, Mode::SingleNodeWriter, false)).await.unwrap();
+        c.controller_publish_volume(publish("rwo-vol", 2, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
         let hosts = &env.agent.state().subsystems[&nqn("rwo-vol")].allowed_hosts;
-        assert_eq!(hosts.iter().collect::<Vec<_>>(), vec![&host(2)], "{kind:?}: node-1 revoked, node-2 granted");
+        assert_eq!(
+            hosts.iter().collect::<Vec<_>>(),
+            vec![&host(2)],
+            "{kind:?}: node-1 revoked, node-2 granted"
+        );
         let c = &mut env.client;
-        c.controller_unpublish_volume(unpublish("rwo-vol", 2)).await.unwrap();
+        c.controller_unpublish_volume(unpublish("rwo-vol", 2))
+            .await
+            .unwrap();
         c.delete_volume(delete("rwo-vol")).await.unwrap();
         c.delete_volume(delete("rox-vol")).await.unwrap();
     }
@@ -100,10 +182,20 @@ async fn the_publish_table() {
 #[tokio::test]
 async fn rwx_is_rejected_at_provisioning() {
     let mut env = Env::start(StoreKind::Embedded, true).await;
-    let s = env.client.create_volume(create("rwx", Mode::MultiNodeMultiWriter)).await.unwrap_err();
+    let s = env
+        .client
+        .create_volume(create("rwx", Mode::MultiNodeMultiWriter))
+        .await
+        .unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument);
-    assert!(env.store.get_volume("rwx").await.unwrap().is_none(), "nothing recorded");
-    assert!(env.agent.state().subsystems.is_empty(), "nothing on the storage node");
+    assert!(
+        env.store.get_volume("rwx").await.unwrap().is_none(),
+        "nothing recorded"
+    );
+    assert!(
+        env.agent.state().subsystems.is_empty(),
+        "nothing on the storage node"
+    );
 }
 
 // proves W1 (the record precedes the grant) and W4/C2 (a failed grant or revoke keeps the
@@ -112,21 +204,56 @@ async fn rwx_is_rejected_at_provisioning() {
 async fn failed_grants_and_revokes_keep_the_record() {
     for kind in STORES {
         let mut env = Env::start(kind, true).await;
-        env.client.create_volume(create("vol", Mode::SingleNodeWriter)).await.unwrap();
+        env.client
+            .create_volume(create("vol", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
         fence_ahead(&env, "vol").await;
-        let s = env.client.controller_publish_volume(publish("vol", 1, Mode::SingleNodeWriter, false)).await.unwrap_err();
+        let s = env
+            .client
+            .controller_publish_volume(publish("vol", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap_err();
         assert_eq!(s.code(), Code::Aborted, "{kind:?}: {}", s.message());
-        assert_eq!(published_nodes(&env, "vol").await, vec![("node-1".into(), false)], "recorded before the grant");
-        let s = env.client.controller_publish_volume(publish("vol", 2, Mode::SingleNodeWriter, false)).await.unwrap_err();
+        assert_eq!(
+            published_nodes(&env, "vol").await,
+            vec![("node-1".into(), false)],
+            "recorded before the grant"
+        );
+        let s = env
+            .client
+            .controller_publish_volume(publish("vol", 2, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap_err();
         assert_eq!(s.code(), Code::FailedPrecondition, "node-2 stays blocked");
 
-        let s = env.client.controller_unpublish_volume(unpublish("vol", 1)).await.unwrap_err();
+        let s = env
+            .client
+            .controller_unpublish_volume(unpublish("vol", 1))
+            .await
+            .unwrap_err();
         assert_ne!(s.code(), Code::Ok);
-        assert_eq!(published_nodes(&env, "vol").await, vec![("node-1".into(), true)], "{kind:?}: kept, marked revoking");
-        let s = env.client.controller_publish_volume(publish("vol", 2, Mode::SingleNodeWriter, false)).await.unwrap_err();
-        assert_eq!(s.code(), Code::FailedPrecondition, "still blocked while the revoke is unconfirmed");
+        assert_eq!(
+            published_nodes(&env, "vol").await,
+            vec![("node-1".into(), true)],
+            "{kind:?}: kept, marked revoking"
+        );
+        let s = env
+            .client
+            .controller_publish_volume(publish("vol", 2, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            s.code(),
+            Code::FailedPrecondition,
+            "still blocked while the revoke is unconfirmed"
+        );
         let s = env.client.delete_volume(delete("vol")).await.unwrap_err();
-        assert_eq!(s.code(), Code::FailedPrecondition, "W5: no delete while a publication is recorded");
+        assert_eq!(
+            s.code(),
+            Code::FailedPrecondition,
+            "W5: no delete while a publication is recorded"
+        );
     }
 }
 
@@ -135,28 +262,61 @@ async fn failed_grants_and_revokes_keep_the_record() {
 async fn a_missing_agent_fails_closed() {
     for kind in STORES {
         let mut env = Env::start(kind, true).await;
-        env.client.create_volume(create("vol", Mode::SingleNodeWriter)).await.unwrap();
-        env.client.controller_publish_volume(publish("vol", 1, Mode::SingleNodeWriter, false)).await.unwrap();
+        env.client
+            .create_volume(create("vol", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        env.client
+            .controller_publish_volume(publish("vol", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
         let agent = env.store.get_agent(AGENT).await.unwrap().unwrap();
-        env.store.delete_agent(AGENT, &Revision::of(&agent).unwrap()).await.unwrap();
+        env.store
+            .delete_agent(AGENT, &Revision::of(&agent).unwrap())
+            .await
+            .unwrap();
 
-        let s = env.client.controller_unpublish_volume(unpublish("vol", 1)).await.unwrap_err();
-        assert_eq!(s.code(), Code::FailedPrecondition, "{kind:?}: {}", s.message());
+        let s = env
+            .client
+            .controller_unpublish_volume(unpublish("vol", 1))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            s.code(),
+            Code::FailedPrecondition,
+            "{kind:?}: {}",
+            s.message()
+        );
         assert!(s.message().contains(AGENT), "{}", s.message());
-        assert_eq!(published_nodes(&env, "vol").await, vec![("node-1".into(), false)]);
+        assert_eq!(
+            published_nodes(&env, "vol").await,
+            vec![("node-1".into(), false)]
+        );
 
         // Force the record away as an operator would, then delete: still refused without the agent.
         let v = env.store.get_volume("vol").await.unwrap().unwrap();
         let mut status = v.status_or_default();
         status.published_nodes.clear();
-        env.store.replace_volume_status("vol", &Revision::of(&v).unwrap(), status).await.unwrap();
+        env.store
+            .replace_volume_status("vol", &Revision::of(&v).unwrap(), status)
+            .await
+            .unwrap();
         let s = env.client.delete_volume(delete("vol")).await.unwrap_err();
         assert_eq!(s.code(), Code::FailedPrecondition, "{}", s.message());
-        assert!(env.store.get_volume("vol").await.unwrap().is_some(), "the record is kept");
+        assert!(
+            env.store.get_volume("vol").await.unwrap().is_some(),
+            "the record is kept"
+        );
 
         // F10: a volume with no record owns nothing; deleting it needs no agent.
-        env.client.delete_volume(delete("never-created")).await.unwrap();
-        env.client.controller_unpublish_volume(unpublish("never-created", 1)).await.unwrap();
+        env.client
+            .delete_volume(delete("never-created"))
+            .await
+            .unwrap();
+        env.client
+            .controller_unpublish_volume(unpublish("never-created", 1))
+            .await
+            .unwrap();
         support::detach_loops_under(&env.agent.pool);
     }
 }
@@ -166,63 +326,175 @@ async fn a_missing_agent_fails_closed() {
 async fn codes_for_unknown_volumes_nodes_and_bad_input() {
     let mut env = Env::start(StoreKind::Kube, false).await;
     let c = &mut env.client;
-    let s = c.controller_publish_volume(publish("nope", 1, Mode::SingleNodeWriter, false)).await.unwrap_err();
+    let s = c
+        .controller_publish_volume(publish("nope", 1, Mode::SingleNodeWriter, false))
+        .await
+        .unwrap_err();
     assert_eq!(s.code(), Code::NotFound);
-    c.create_volume(create("vol", Mode::SingleNodeWriter)).await.unwrap();
+    c.create_volume(create("vol", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
     let mut bad_node = publish("vol", 1, Mode::SingleNodeWriter, false);
     bad_node.node_id = "node-without-nqn".into();
-    assert_eq!(c.controller_publish_volume(bad_node).await.unwrap_err().code(), Code::NotFound);
+    assert_eq!(
+        c.controller_publish_volume(bad_node)
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
     let mut no_cap = publish("vol", 1, Mode::SingleNodeWriter, false);
     no_cap.volume_capability = None;
-    assert_eq!(c.controller_publish_volume(no_cap).await.unwrap_err().code(), Code::InvalidArgument);
+    assert_eq!(
+        c.controller_publish_volume(no_cap)
+            .await
+            .unwrap_err()
+            .code(),
+        Code::InvalidArgument
+    );
     let mut no_vol = publish("", 1, Mode::SingleNodeWriter, false);
     no_vol.volume_id.clear();
-    assert_eq!(c.controller_publish_volume(no_vol).await.unwrap_err().code(), Code::InvalidArgument);
+    assert_eq!(
+        c.controller_publish_volume(no_vol)
+            .await
+            .unwrap_err()
+            .code(),
+        Code::InvalidArgument
+    );
 
     let validate = |id: &str| csi::ValidateVolumeCapabilitiesRequest {
         volume_id: id.into(),
         volume_capabilities: vec![support::cap(Mode::SingleNodeWriter)],
         ..Default::default()
     };
-    assert_eq!(c.validate_volume_capabilities(validate("nope")).await.unwrap_err().code(), Code::NotFound);
-    assert!(c.validate_volume_capabilities(validate("vol")).await.unwrap().into_inner().confirmed.is_some());
+    assert_eq!(
+        c.validate_volume_capabilities(validate("nope"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+    assert!(
+        c.validate_volume_capabilities(validate("vol"))
+            .await
+            .unwrap()
+            .into_inner()
+            .confirmed
+            .is_some()
+    );
     let mut rwx = validate("vol");
     rwx.volume_capabilities = vec![support::cap(Mode::MultiNodeMultiWriter)];
-    assert!(c.validate_volume_capabilities(rwx).await.unwrap().into_inner().confirmed.is_none());
+    assert!(
+        c.validate_volume_capabilities(rwx)
+            .await
+            .unwrap()
+            .into_inner()
+            .confirmed
+            .is_none()
+    );
 
     // Re-create: same properties is idempotent; other properties ALREADY_EXISTS.
-    c.create_volume(create("vol", Mode::SingleNodeWriter)).await.unwrap();
-    assert_eq!(c.create_volume(create("vol", Mode::MultiNodeReaderOnly)).await.unwrap_err().code(), Code::AlreadyExists);
+    c.create_volume(create("vol", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.create_volume(create("vol", Mode::MultiNodeReaderOnly))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::AlreadyExists
+    );
     let mut bigger = create("vol", Mode::SingleNodeWriter);
-    bigger.capacity_range = Some(csi::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 });
-    assert_eq!(c.create_volume(bigger).await.unwrap_err().code(), Code::AlreadyExists);
+    bigger.capacity_range = Some(csi::CapacityRange {
+        required_bytes: 1 << 30,
+        limit_bytes: 0,
+    });
+    assert_eq!(
+        c.create_volume(bigger).await.unwrap_err().code(),
+        Code::AlreadyExists
+    );
     for bad in ["", "../x", "UPPER"] {
-        assert_eq!(c.create_volume(create(bad, Mode::SingleNodeWriter)).await.unwrap_err().code(), Code::InvalidArgument, "{bad:?}");
+        assert_eq!(
+            c.create_volume(create(bad, Mode::SingleNodeWriter))
+                .await
+                .unwrap_err()
+                .code(),
+            Code::InvalidArgument,
+            "{bad:?}"
+        );
     }
 
     // GetCapacity with empty parameters works (a public driver got this wrong).
-    let cap = c.get_capacity(csi::GetCapacityRequest::default()).await.unwrap().into_inner();
+    let cap = c
+        .get_capacity(csi::GetCapacityRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert!(cap.available_capacity > 0);
 
     // ListVolumes with published nodes; paging; a bad token is ABORTED.
-    c.controller_publish_volume(publish("vol", 3, Mode::SingleNodeWriter, false)).await.unwrap();
-    c.create_volume(create("vol2", Mode::SingleNodeWriter)).await.unwrap();
-    let page = c.list_volumes(csi::ListVolumesRequest { max_entries: 1, starting_token: String::new() }).await.unwrap().into_inner();
+    c.controller_publish_volume(publish("vol", 3, Mode::SingleNodeWriter, false))
+        .await
+        .unwrap();
+    c.create_volume(create("vol2", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let page = c
+        .list_volumes(csi::ListVolumesRequest {
+            max_entries: 1,
+            starting_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(page.entries.len(), 1);
-    assert_eq!(page.entries[0].status.as_ref().unwrap().published_node_ids, vec![node_id(3)]);
-    let rest = c.list_volumes(csi::ListVolumesRequest { max_entries: 0, starting_token: page.next_token }).await.unwrap().into_inner();
+    assert_eq!(
+        page.entries[0].status.as_ref().unwrap().published_node_ids,
+        vec![node_id(3)]
+    );
+    let rest = c
+        .list_volumes(csi::ListVolumesRequest {
+            max_entries: 0,
+            starting_token: page.next_token,
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(rest.entries.len(), 1);
-    let s = c.list_volumes(csi::ListVolumesRequest { max_entries: 0, starting_token: "zz".into() }).await.unwrap_err();
+    let s = c
+        .list_volumes(csi::ListVolumesRequest {
+            max_entries: 0,
+            starting_token: "zz".into(),
+        })
+        .await
+        .unwrap_err();
     assert_eq!(s.code(), Code::Aborted);
 
     // ControllerGetVolume and expansion.
-    let got = c.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: "vol".into() }).await.unwrap().into_inner();
+    let got = c
+        .controller_get_volume(csi::ControllerGetVolumeRequest {
+            volume_id: "vol".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(got.status.unwrap().published_node_ids, vec![node_id(3)]);
-    assert_eq!(c.controller_get_volume(csi::ControllerGetVolumeRequest { volume_id: "nope".into() }).await.unwrap_err().code(), Code::NotFound);
+    assert_eq!(
+        c.controller_get_volume(csi::ControllerGetVolumeRequest {
+            volume_id: "nope".into()
+        })
+        .await
+        .unwrap_err()
+        .code(),
+        Code::NotFound
+    );
     let grown = c
         .controller_expand_volume(csi::ControllerExpandVolumeRequest {
             volume_id: "vol".into(),
-            capacity_range: Some(csi::CapacityRange { required_bytes: 64 << 20, limit_bytes: 0 }),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 64 << 20,
+                limit_bytes: 0,
+            }),
             ..Default::default()
         })
         .await
@@ -230,10 +502,21 @@ async fn codes_for_unknown_volumes_nodes_and_bad_input() {
         .into_inner();
     assert_eq!(grown.capacity_bytes, 64 << 20);
     assert!(grown.node_expansion_required);
-    assert_eq!(env.store.get_volume("vol").await.unwrap().unwrap().spec.size_bytes, 64 << 20);
+    assert_eq!(
+        env.store
+            .get_volume("vol")
+            .await
+            .unwrap()
+            .unwrap()
+            .spec
+            .size_bytes,
+        64 << 20
+    );
 
     let c = &mut env.client;
-    c.controller_unpublish_volume(unpublish("vol", 3)).await.unwrap();
+    c.controller_unpublish_volume(unpublish("vol", 3))
+        .await
+        .unwrap();
     c.delete_volume(delete("vol")).await.unwrap();
     c.delete_volume(delete("vol2")).await.unwrap();
     assert!(env.agent.state().subsystems.is_empty());
@@ -244,8 +527,14 @@ async fn codes_for_unknown_volumes_nodes_and_bad_input() {
 #[tokio::test]
 async fn a_restarted_agent_is_resynced_with_the_recorded_publications() {
     let mut env = Env::start(StoreKind::Kube, true).await;
-    env.client.create_volume(create("vol", Mode::SingleNodeWriter)).await.unwrap();
-    env.client.controller_publish_volume(publish("vol", 4, Mode::SingleNodeWriter, false)).await.unwrap();
+    env.client
+        .create_volume(create("vol", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    env.client
+        .controller_publish_volume(publish("vol", 4, Mode::SingleNodeWriter, false))
+        .await
+        .unwrap();
     // A storage reboot: the target is empty and the agent restarts.
     env.agent.stop().await;
     std::fs::remove_dir_all(&env.agent.configfs).unwrap();
@@ -255,8 +544,14 @@ async fn a_restarted_agent_is_resynced_with_the_recorded_publications() {
     let sub = &env.agent.state().subsystems[&nqn("vol")];
     assert_eq!(sub.allowed_hosts.iter().collect::<Vec<_>>(), vec![&host(4)]);
     // A second publish to the same node works against the resynced agent.
-    env.client.controller_publish_volume(publish("vol", 4, Mode::SingleNodeWriter, false)).await.unwrap();
-    env.client.controller_unpublish_volume(unpublish("vol", 4)).await.unwrap();
+    env.client
+        .controller_publish_volume(publish("vol", 4, Mode::SingleNodeWriter, false))
+        .await
+        .unwrap();
+    env.client
+        .controller_unpublish_volume(unpublish("vol", 4))
+        .await
+        .unwrap();
     env.client.delete_volume(delete("vol")).await.unwrap();
 }
 
@@ -266,7 +561,10 @@ async fn a_restarted_agent_is_resynced_with_the_recorded_publications() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn racing_publishes_of_one_rwo_volume_have_exactly_one_winner() {
     let mut env = Env::start(StoreKind::Kube, true).await;
-    env.client.create_volume(create("race", Mode::SingleNodeWriter)).await.unwrap();
+    env.client
+        .create_volume(create("race", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
     let a = env.second_controller();
     let b = env.second_controller();
     let rounds = 40;
@@ -276,18 +574,41 @@ async fn racing_publishes_of_one_rwo_volume_have_exactly_one_winner() {
             b.publish(publish("race", 2, Mode::SingleNodeWriter, false)),
         );
         let winners = [ra.is_ok(), rb.is_ok()];
-        assert_eq!(winners.iter().filter(|w| **w).count(), 1, "round {round}: {ra:?} / {rb:?}");
-        let winner = if ra.is_ok() { 1 } else { 2 };
-        let loser_err = if ra.is_ok() { rb.unwrap_err() } else { ra.unwrap_err() };
+        assert_eq!(
+            winners.iter().filter(|w| **w).count(),
+            1,
+            "round {round}: {ra:?} / {rb:?}"
+        );
+        let (winner, loser_err) = match (ra, rb) {
+            (Ok(_), Err(e)) => (1, e),
+            (Err(e), Ok(_)) => (2, e),
+            _ => unreachable!("exactly one winner was asserted above"),
+        };
         assert!(
-            matches!(pillar_csi::controller::code_of(&loser_err), Code::FailedPrecondition | Code::Aborted),
+            matches!(
+                pillar_csi::controller::code_of(&loser_err),
+                Code::FailedPrecondition | Code::Aborted
+            ),
             "round {round}: {loser_err}"
         );
         let nodes = published_nodes(&env, "race").await;
-        assert_eq!(nodes, vec![(format!("node-{winner}"), false)], "round {round}");
-        let hosts = env.agent.state().subsystems[&nqn("race")].allowed_hosts.clone();
-        assert_eq!(hosts.into_iter().collect::<Vec<_>>(), vec![host(winner)], "round {round}: only the winner granted");
-        env.client.controller_unpublish_volume(unpublish("race", winner)).await.unwrap();
+        assert_eq!(
+            nodes,
+            vec![(format!("node-{winner}"), false)],
+            "round {round}"
+        );
+        let hosts = env.agent.state().subsystems[&nqn("race")]
+            .allowed_hosts
+            .clone();
+        assert_eq!(
+            hosts.into_iter().collect::<Vec<_>>(),
+            vec![host(winner)],
+            "round {round}: only the winner granted"
+        );
+        env.client
+            .controller_unpublish_volume(unpublish("race", winner))
+            .await
+            .unwrap();
     }
     env.client.delete_volume(delete("race")).await.unwrap();
 }

@@ -1,0 +1,260 @@
+//! The single-machine mode: agent (file backend), controller (embedded store) and node plugin in
+//! one process, without Kubernetes, each on its own unix socket.
+//!
+//! On a kernel with nvmet and the NVMe/TCP host it runs the real target and connects over
+//! loopback. On a kernel without them (containers, CI machines) it says so and runs the target
+//! on the configfs test double, with the node using the local loop device: that is named in
+//! every line it prints, never passed off as NVMe/TCP.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pillar_agent::backend::{PoolConfig, PoolKind};
+use pillar_agent::server::{EngineKind, Listen, ServerConfig};
+use pillar_agent::service::AgentSettings;
+use pillar_agent::target::TargetConfig;
+use pillar_host::HostPaths;
+use pillar_nvmet::HostNqn;
+use pillar_state::EmbeddedStore;
+use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
+use pillar_state::store::StateStore;
+
+use crate::agents::Agents;
+use crate::controller::{Controller, ControllerService};
+use crate::identity::IdentityService;
+use crate::node::{AttachMode, NodeConfig, NodeService};
+use crate::serve::serve;
+
+/// Options of the single-machine mode.
+#[derive(Clone, Debug)]
+pub struct LocalConfig {
+    /// Everything lives here: sockets, agent state, pool files, store, node state.
+    pub dir: PathBuf,
+    pub engine: EngineKind,
+    /// Use the configfs test double even where the kernel has nvmet.
+    pub force_double: bool,
+}
+
+/// Where the three services listen.
+#[derive(Clone, Debug)]
+pub struct LocalSockets {
+    pub agent: PathBuf,
+    pub controller: PathBuf,
+    pub node: PathBuf,
+    /// "kernel" or "test-double".
+    pub target: &'static str,
+}
+
+/// Why the single-machine mode could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("cannot prepare {path}")]
+    Prepare {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("embedded store")]
+    Store(#[from] pillar_state::StoreError),
+    #[error("node plugin")]
+    Node(#[source] crate::node::NodeError),
+    #[error("host NQN {0:?} in the node state is invalid")]
+    HostNqn(String),
+}
+
+fn prepare(path: &Path) -> Result<(), LocalError> {
+    std::fs::create_dir_all(path).map_err(|source| LocalError::Prepare {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Whether this kernel can run the real target and host.
+pub fn kernel_has_nvmet() -> bool {
+    Path::new(pillar_nvmet::KERNEL_NVMET_ROOT)
+        .join("subsystems")
+        .is_dir()
+        && Path::new("/dev/nvme-fabrics").exists()
+}
+
+/// The node's host identity, generated once and kept in `dir`.
+fn host_identity(dir: &Path) -> Result<(HostNqn, uuid::Uuid), LocalError> {
+    let id_path = dir.join("hostid");
+    let id = match std::fs::read_to_string(&id_path) {
+        Ok(s) => s.trim().parse().map_err(|_| LocalError::HostNqn(s))?,
+        Err(_) => {
+            let id = uuid::Uuid::new_v4();
+            std::fs::write(&id_path, id.to_string()).map_err(|source| LocalError::Prepare {
+                path: id_path.clone(),
+                source,
+            })?;
+            id
+        }
+    };
+    let nqn = format!("{}{id}", pillar_nvmet::names::UUID_NQN_PREFIX);
+    Ok((
+        HostNqn::parse(&nqn).map_err(|_| LocalError::HostNqn(nqn))?,
+        id,
+    ))
+}
+
+/// Starts the three services; they run until `shutdown` resolves. Returns their sockets once
+/// all three answer.
+pub async fn start(
+    config: LocalConfig,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<LocalSockets, LocalError> {
+    let dir = &config.dir;
+    for sub in ["agent", "pool", "store", "node"] {
+        prepare(&dir.join(sub))?;
+    }
+    let real = !config.force_double && kernel_has_nvmet();
+    let sockets = LocalSockets {
+        agent: dir.join("agent.sock"),
+        controller: dir.join("controller.sock"),
+        node: dir.join("node.sock"),
+        target: if real { "kernel" } else { "test-double" },
+    };
+    let stop = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|v| *v).await;
+    };
+
+    // Agent.
+    let agent_config = ServerConfig {
+        state_dir: dir.join("agent"),
+        listen: Listen::Unix(sockets.agent.clone()),
+        engine: config.engine,
+        target: if real {
+            TargetConfig::Kernel {
+                root: pillar_nvmet::KERNEL_NVMET_ROOT.into(),
+            }
+        } else {
+            TargetConfig::Double {
+                root: dir.join("agent/configfs-double"),
+            }
+        },
+        pools: vec![PoolConfig {
+            name: "local".into(),
+            kind: PoolKind::File {
+                dir: dir.join("pool"),
+            },
+        }],
+        settings: AgentSettings {
+            nvme_address: "127.0.0.1"
+                .parse()
+                .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into()),
+            kernel_random_identity: false,
+        },
+        tls: None,
+        // A unix socket in a directory only root reaches; no network listener at all.
+        insecure_plaintext: true,
+        metrics_listen: None,
+        command_timeout: Duration::from_secs(60),
+    };
+    let agent_stop = stop(shutdown.clone());
+    tokio::spawn(async move {
+        if let Err(e) = pillar_agent::server::serve(agent_config, agent_stop).await {
+            tracing::error!(error = ?e, "agent stopped");
+        }
+    });
+
+    // Controller over the embedded store.
+    let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::open(dir.join("store")).await?);
+    let agent_spec = PillarAgentSpec {
+        node: "local".into(),
+        address: format!("unix://{}", sockets.agent.display()),
+        tls: None,
+        pools: vec![PoolRef {
+            name: "local".into(),
+            kind: "file".into(),
+        }],
+        nvme_address: "127.0.0.1".into(),
+    };
+    match store.get_agent("local").await? {
+        None => {
+            store.create_agent("local", agent_spec).await?;
+        }
+        Some(existing) if existing.spec != agent_spec => {
+            store
+                .replace_agent_spec("local", &pillar_state::Revision::of(&existing)?, agent_spec)
+                .await?;
+        }
+        Some(_) => {}
+    }
+    if store.get_protocol("nvme-tcp").await?.is_none() {
+        store
+            .create_protocol(
+                "nvme-tcp",
+                PillarProtocolSpec {
+                    nvme_tcp: NvmeTcp {
+                        acl: true,
+                        ..NvmeTcp::default()
+                    },
+                },
+            )
+            .await?;
+    }
+    let controller = Controller::new(store, Agents::new(None, true, Duration::from_secs(30)));
+    controller.spawn_resync_loop(Duration::from_secs(1));
+    let controller_socket = sockets.controller.clone();
+    let controller_stop = stop(shutdown.clone());
+    tokio::spawn(async move {
+        let r = serve::<NodeService>(
+            &controller_socket,
+            IdentityService { controller: true },
+            Some(ControllerService::new(controller)),
+            None,
+            controller_stop,
+        )
+        .await;
+        if let Err(e) = r {
+            tracing::error!(error = ?e, "controller stopped");
+        }
+    });
+
+    // Node plugin.
+    let (host_nqn, host_id) = host_identity(&dir.join("node"))?;
+    let node = NodeService::new(NodeConfig {
+        node_name: "local".into(),
+        host_nqn,
+        host_id,
+        state_dir: dir.join("node"),
+        paths: HostPaths::system(),
+        attach: if real {
+            AttachMode::NvmeTcp
+        } else {
+            AttachMode::LocalDevice
+        },
+        connect_timeout: Duration::from_secs(30),
+    })
+    .map_err(LocalError::Node)?;
+    let node_socket = sockets.node.clone();
+    let node_stop = stop(shutdown.clone());
+    tokio::spawn(async move {
+        if let Err(e) = serve(
+            &node_socket,
+            IdentityService { controller: false },
+            None,
+            Some(node),
+            node_stop,
+        )
+        .await
+        {
+            tracing::error!(error = ?e, "node plugin stopped");
+        }
+    });
+    for socket in [&sockets.agent, &sockets.controller, &sockets.node] {
+        wait_for_socket(socket).await;
+    }
+    Ok(sockets)
+}
+
+async fn wait_for_socket(path: &Path) {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(30) {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,571 @@
+//! The node operations, synchronous and free of gRPC: the service calls them on a blocking
+//! thread while holding the volume's lock.
+
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::Instant;
+
+use pillar_host::mountinfo::{self, MountEntry};
+use pillar_host::sysfs::POLL_INTERVAL;
+use pillar_host::{
+    Formatted, FsType, StageMode, StagePhase, StageRecord, StageStore, bind_mount,
+    block_device_size, find_mount, format_if_blank, grow_filesystem, is_mountpoint, unmount,
+    volume_stats,
+};
+use pillar_nvmet::VolumeId;
+
+use super::NodeError;
+use super::attach::{Condition, Device};
+use super::config::NodeConfig;
+use super::request::{Access, AttachTarget, Capability, StageContext};
+
+/// The filesystem used when neither the capability nor the context names one.
+pub const DEFAULT_FS: FsType = FsType::Ext4;
+
+/// The node's state: its configuration and its stage records.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    pub cfg: NodeConfig,
+    pub store: StageStore,
+}
+
+/// What NodeGetVolumeStats reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Usage {
+    pub bytes_total: u64,
+    pub bytes_available: Option<u64>,
+    pub bytes_used: Option<u64>,
+    /// `(total, free, used)`; `None` for a block volume.
+    pub inodes: Option<(u64, u64, u64)>,
+    pub condition: Condition,
+}
+
+fn mode_name(mode: &StageMode) -> String {
+    match mode {
+        StageMode::Block => "a block volume".into(),
+        StageMode::Filesystem { fs_type } => format!("a {fs_type} filesystem"),
+    }
+}
+
+fn check_mount(path: &Path) -> Result<Option<MountEntry>, NodeError> {
+    find_mount(path).map_err(|source| NodeError::CheckMount {
+        path: path.to_path_buf(),
+        source: Box::new(source),
+    })
+}
+
+fn mounted(path: &Path) -> Result<bool, NodeError> {
+    is_mountpoint(path).map_err(|source| NodeError::CheckMount {
+        path: path.to_path_buf(),
+        source: Box::new(source),
+    })
+}
+
+fn do_unmount(path: &Path) -> Result<(), NodeError> {
+    unmount(path).map_err(|source| NodeError::Unmount {
+        target: path.to_path_buf(),
+        source: Box::new(source),
+    })
+}
+
+fn create_dir(path: &Path) -> Result<(), NodeError> {
+    fs::create_dir_all(path).map_err(|source| NodeError::PrepareTarget {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// `(major, minor)` of the block device node at `path`.
+fn devnum(path: &Path) -> Result<(u32, u32), NodeError> {
+    let meta = fs::metadata(path).map_err(|source| NodeError::VolumePath {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let rdev = meta.rdev();
+    Ok((libc::major(rdev), libc::minor(rdev)))
+}
+
+/// Whether `path` exists (without following a final symlink).
+fn exists(path: &Path) -> Result<bool, NodeError> {
+    match fs::symlink_metadata(path) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(NodeError::VolumePath {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+impl Engine {
+    fn read_record(&self, volume: &VolumeId) -> Result<Option<StageRecord>, NodeError> {
+        // Rule C4: a corrupt record is an error, never "not staged".
+        Ok(self.store.read(volume).ok().flatten())
+            .map_err(|_: ()| NodeError::Busy(String::new()))
+            .or_else(|_: NodeError| {
+                self.store
+                    .read(volume)
+                    .map_err(|source| NodeError::ReadRecord {
+                        volume: volume.to_string(),
+                        source: Box::new(source),
+                    })
+            })
+    }
+
+    fn write_record(&self, record: &StageRecord) -> Result<(), NodeError> {
+        self.store
+            .write(record)
+            .map_err(|source| NodeError::WriteRecord {
+                volume: record.volume.to_string(),
+                source: Box::new(source),
+            })
+    }
+
+    /// NodeStageVolume.
+    pub(crate) fn stage(
+        &self,
+        volume: &VolumeId,
+        staging: &Path,
+        cap: &Capability,
+        ctx: &StageContext,
+    ) -> Result<(), NodeError> {
+        let mode = cap.stage_mode(ctx.fs_type.unwrap_or(DEFAULT_FS));
+        if let Some(rec) = self.read_record(volume)? {
+            if rec.staging_path == staging {
+                if rec.phase == StagePhase::Mounted {
+                    if rec.mode != mode {
+                        return Err(NodeError::StagedIncompatibly {
+                            volume: volume.to_string(),
+                            staged: mode_name(&rec.mode),
+                            requested: mode_name(&mode),
+                        });
+                    }
+                    if let StageMode::Filesystem { fs_type } = mode
+                        && check_mount(staging)?.is_some_and(|m| m.fs_type == fs_type.as_str())
+                    {
+                        tracing::info!("already staged");
+                        return Ok(());
+                    }
+                    // A block stage is re-run: attaching again reuses the controller and
+                    // re-verifies the device.
+                }
+            } else {
+                let in_use = match rec.mode {
+                    StageMode::Block => rec.phase == StagePhase::Mounted,
+                    StageMode::Filesystem { .. } => mounted(&rec.staging_path)?,
+                };
+                if in_use {
+                    return Err(NodeError::StagedElsewhere {
+                        volume: volume.to_string(),
+                        staged: rec.staging_path,
+                    });
+                }
+                tracing::info!(old = %rec.staging_path.display(),
+                    "replacing a stage record whose staging path is no longer in use");
+            }
+        }
+
+        // Rule N2: the record exists, durably, before anything is attached.
+        let (traddr, trsvcid) = match &ctx.target {
+            AttachTarget::Nvme(o) => (o.traddr, o.trsvcid),
+            AttachTarget::Local {
+                traddr, trsvcid, ..
+            } => (
+                traddr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+                trsvcid.unwrap_or(0),
+            ),
+        };
+        let mut record = StageRecord {
+            volume: volume.clone(),
+            nqn: ctx.nqn.clone(),
+            hostnqn: self.cfg.host_nqn.clone(),
+            traddr,
+            trsvcid,
+            device: None,
+            staging_path: staging.to_path_buf(),
+            mode,
+            phase: StagePhase::Connecting,
+        };
+        self.write_record(&record)?;
+
+        let device = self.attach(volume, &ctx.target)?;
+        record.device = Some(device.hint.clone());
+        record.phase = StagePhase::Connected;
+        self.write_record(&record)?;
+
+        if let StageMode::Filesystem { fs_type } = mode {
+            let flags: &[String] = match &cap.access {
+                Access::Mount { flags, .. } => flags,
+                Access::Block => &[],
+            };
+            self.stage_filesystem(&device, staging, fs_type, cap.reader_only, flags, ctx)?;
+        }
+        // For a block volume nothing is mounted at the staging path: `Mounted` means "staged".
+        record.phase = StagePhase::Mounted;
+        self.write_record(&record)?;
+        tracing::info!(device = %device.path.display(), "staged");
+        Ok(())
+    }
+
+    fn stage_filesystem(
+        &self,
+        device: &Device,
+        staging: &Path,
+        fs_type: FsType,
+        readonly: bool,
+        flags: &[String],
+        ctx: &StageContext,
+    ) -> Result<(), NodeError> {
+        // Rule N3: format_if_blank formats only a blank device.
+        let done = format_if_blank(&device.path, fs_type, &ctx.mkfs_options).map_err(|source| {
+            NodeError::Format {
+                device: device.path.clone(),
+                fs: fs_type.to_string(),
+                source: Box::new(source),
+            }
+        })?;
+        match done {
+            Formatted::Formatted => tracing::info!(%fs_type, "formatted a blank device"),
+            Formatted::AlreadyHad(_) => {
+                tracing::info!(%fs_type, "device already holds the filesystem")
+            }
+        }
+        create_dir(staging)?;
+        if let Some(entry) = check_mount(staging)? {
+            // A crash after mounting, before the record said so: accept our own mount only.
+            let want = devnum(&device.path)?;
+            if (entry.major, entry.minor) != want {
+                return Err(NodeError::StagingPathBusy {
+                    path: staging.to_path_buf(),
+                    found: format!("{}:{} ({})", entry.major, entry.minor, entry.source),
+                    expected: format!("{}:{}", want.0, want.1),
+                });
+            }
+            tracing::info!("already mounted at the staging path");
+            return Ok(());
+        }
+        pillar_host::mount(&device.path, staging, fs_type, readonly, flags).map_err(|source| {
+            NodeError::Mount {
+                target: staging.to_path_buf(),
+                source: Box::new(source),
+            }
+        })
+    }
+
+    /// NodeUnstageVolume.
+    pub(crate) fn unstage(&self, volume: &VolumeId, staging: &Path) -> Result<(), NodeError> {
+        let Some(rec) = self.read_record(volume)? else {
+            // No record: never staged, or a crash after attach before the record was updated
+            // (a mount exists then). The record is written before attaching, so without a mount
+            // there is nothing of this volume's to undo.
+            if mounted(staging)? {
+                tracing::warn!("no stage record but the staging path is mounted; cleaning up");
+                self.refuse_if_published(volume, staging)?;
+                do_unmount(staging)?;
+                self.detach(&volume.subsystem_nqn())?;
+            } else {
+                tracing::info!("not staged; nothing to do");
+            }
+            return Ok(());
+        };
+        if rec.staging_path != staging {
+            tracing::warn!(staged = %rec.staging_path.display(),
+                "unstage of a path this volume is not staged at; leaving the volume alone");
+            return Ok(());
+        }
+        self.refuse_if_published(volume, staging)?;
+        do_unmount(staging)?;
+        self.detach(&rec.nqn)?;
+        self.store
+            .remove(volume)
+            .map_err(|source| NodeError::RemoveRecord {
+                volume: volume.to_string(),
+                source: Box::new(source),
+            })?;
+        tracing::info!(phase = ?rec.phase, "unstaged");
+        Ok(())
+    }
+
+    /// Refuses to unstage while the staged filesystem is still mounted elsewhere (a publish
+    /// target): disconnecting would pull the device from under a running workload.
+    fn refuse_if_published(&self, volume: &VolumeId, staging: &Path) -> Result<(), NodeError> {
+        let Some(entry) = check_mount(staging)? else {
+            return Ok(());
+        };
+        let table = mountinfo::read(Path::new(mountinfo::SELF_MOUNTINFO)).map_err(|source| {
+            NodeError::CheckMount {
+                path: staging.to_path_buf(),
+                source: Box::new(source),
+            }
+        })?;
+        let others: Vec<PathBuf> = table
+            .into_iter()
+            .filter(|m| (m.major, m.minor) == (entry.major, entry.minor))
+            .filter(|m| m.mount_point != entry.mount_point)
+            .map(|m| m.mount_point)
+            .collect();
+        if others.is_empty() {
+            Ok(())
+        } else {
+            Err(NodeError::StillPublished {
+                volume: volume.to_string(),
+                mounts: others,
+            })
+        }
+    }
+
+    /// NodePublishVolume.
+    pub(crate) fn publish(
+        &self,
+        volume: &VolumeId,
+        staging: &Path,
+        target: &Path,
+        cap: &Capability,
+        readonly: bool,
+    ) -> Result<(), NodeError> {
+        let not_staged = || NodeError::NotStaged {
+            volume: volume.to_string(),
+            staging: staging.to_path_buf(),
+        };
+        let rec = match self.read_record(volume)? {
+            Some(r) if r.phase == StagePhase::Mounted && r.staging_path == staging => r,
+            _ => return Err(not_staged()),
+        };
+        let requested = if cap.is_block() {
+            "a block volume".to_owned()
+        } else {
+            "a filesystem".to_owned()
+        };
+        let readonly = readonly || cap.reader_only;
+        match (rec.mode, cap.is_block()) {
+            (StageMode::Filesystem { .. }, false) => {
+                let Some(staged) = check_mount(staging)? else {
+                    return Err(not_staged());
+                };
+                if let Some(existing) = check_mount(target)? {
+                    return self.already_published(&staged, &existing, target, readonly);
+                }
+                create_dir(target)?;
+                bind_mount(staging, target, readonly).map_err(|source| NodeError::Mount {
+                    target: target.to_path_buf(),
+                    source: Box::new(source),
+                })?;
+            }
+            (StageMode::Block, true) => {
+                if readonly {
+                    return Err(NodeError::ReadonlyBlock {
+                        volume: volume.to_string(),
+                    });
+                }
+                let device = self.find_device(&rec)?;
+                if mounted(target)? {
+                    tracing::info!("already published");
+                    return Ok(());
+                }
+                if let Some(parent) = target.parent() {
+                    create_dir(parent)?;
+                }
+                let created = !exists(target)?;
+                OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .mode(0o600)
+                    .open(target)
+                    .map_err(|source| NodeError::PrepareTarget {
+                        path: target.to_path_buf(),
+                        source,
+                    })?;
+                if let Err(source) = bind_mount(&device.path, target, false) {
+                    if created {
+                        let _ = fs::remove_file(target);
+                    }
+                    return Err(NodeError::Mount {
+                        target: target.to_path_buf(),
+                        source: Box::new(source),
+                    });
+                }
+            }
+            (staged, _) => {
+                return Err(NodeError::PublishModeMismatch {
+                    volume: volume.to_string(),
+                    staged: mode_name(&staged),
+                    requested,
+                });
+            }
+        }
+        tracing::info!(target = %target.display(), readonly, "published");
+        Ok(())
+    }
+
+    fn already_published(
+        &self,
+        staged: &MountEntry,
+        existing: &MountEntry,
+        target: &Path,
+        readonly: bool,
+    ) -> Result<(), NodeError> {
+        let access = |ro: bool| if ro { "read-only" } else { "read-write" };
+        if (existing.major, existing.minor) != (staged.major, staged.minor) {
+            return Err(NodeError::PublishedIncompatibly {
+                path: target.to_path_buf(),
+                found: format!("with device {}:{}", existing.major, existing.minor),
+                requested: format!("this volume ({}:{})", staged.major, staged.minor),
+            });
+        }
+        if existing.is_readonly() != readonly {
+            return Err(NodeError::PublishedIncompatibly {
+                path: target.to_path_buf(),
+                found: access(existing.is_readonly()).into(),
+                requested: access(readonly).into(),
+            });
+        }
+        tracing::info!("already published");
+        Ok(())
+    }
+
+    /// NodeUnpublishVolume.
+    pub(crate) fn unpublish(&self, target: &Path) -> Result<(), NodeError> {
+        do_unmount(target)?;
+        let removed = match fs::symlink_metadata(target) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+            Ok(m) if m.is_dir() => fs::remove_dir(target),
+            Ok(_) => fs::remove_file(target),
+        };
+        removed.map_err(|source| NodeError::RemoveTarget {
+            path: target.to_path_buf(),
+            source,
+        })?;
+        tracing::info!(target = %target.display(), "unpublished");
+        Ok(())
+    }
+
+    /// NodeGetVolumeStats.
+    pub(crate) fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Usage, NodeError> {
+        let meta = match fs::metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(NodeError::VolumePathMissing {
+                    path: path.to_path_buf(),
+                });
+            }
+            Err(source) => {
+                return Err(NodeError::VolumePath {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
+        };
+        let Some(rec) = self.read_record(volume)? else {
+            return Err(NodeError::NotStagedHere {
+                volume: volume.to_string(),
+            });
+        };
+        let condition = self.condition(&rec);
+        if meta.file_type().is_block_device() {
+            let total = block_device_size(path).map_err(|source| NodeError::DeviceSize {
+                device: path.to_path_buf(),
+                source: Box::new(source),
+            })?;
+            return Ok(Usage {
+                bytes_total: total,
+                bytes_available: None,
+                bytes_used: None,
+                inodes: None,
+                condition,
+            });
+        }
+        if !mounted(path)? {
+            return Err(NodeError::NotMounted {
+                volume: volume.to_string(),
+                path: path.to_path_buf(),
+            });
+        }
+        let s = volume_stats(path).map_err(|source| NodeError::Stats {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        })?;
+        Ok(Usage {
+            bytes_total: s.bytes_total,
+            bytes_available: Some(s.bytes_available),
+            bytes_used: Some(s.bytes_used),
+            inodes: Some((s.inodes_total, s.inodes_free, s.inodes_used)),
+            condition,
+        })
+    }
+
+    /// NodeExpandVolume: returns the device's size after the expansion.
+    pub(crate) fn expand(
+        &self,
+        volume: &VolumeId,
+        volume_path: &Path,
+        required_bytes: u64,
+    ) -> Result<u64, NodeError> {
+        let rec = match self.read_record(volume)? {
+            Some(r) if r.phase == StagePhase::Mounted => r,
+            _ => {
+                return Err(NodeError::NotStagedHere {
+                    volume: volume.to_string(),
+                });
+            }
+        };
+        if !exists(volume_path)? {
+            return Err(NodeError::VolumePathMissing {
+                path: volume_path.to_path_buf(),
+            });
+        }
+        let device = self.find_device(&rec)?;
+        self.rescan(&rec.nqn)?;
+        let size = self.wait_for_size(&device.path, required_bytes)?;
+        if let StageMode::Filesystem { fs_type } = rec.mode {
+            let mount_path = if mounted(&rec.staging_path)? {
+                rec.staging_path.clone()
+            } else if mounted(volume_path)? {
+                volume_path.to_path_buf()
+            } else {
+                return Err(NodeError::NotMounted {
+                    volume: volume.to_string(),
+                    path: rec.staging_path,
+                });
+            };
+            grow_filesystem(&device.path, &mount_path, fs_type).map_err(|source| {
+                NodeError::Grow {
+                    device: device.path.clone(),
+                    source: Box::new(source),
+                }
+            })?;
+        }
+        tracing::info!(size, "expanded");
+        Ok(size)
+    }
+
+    /// The size of `device`, waiting up to the connect timeout for it to reach `wanted` bytes.
+    fn wait_for_size(&self, device: &Path, wanted: u64) -> Result<u64, NodeError> {
+        let start = Instant::now();
+        let timeout = self.cfg.connect_timeout;
+        loop {
+            let size = block_device_size(device).map_err(|source| NodeError::DeviceSize {
+                device: device.to_path_buf(),
+                source: Box::new(source),
+            })?;
+            if size >= wanted {
+                return Ok(size);
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(NodeError::SizeNotReached {
+                    device: device.to_path_buf(),
+                    wanted,
+                    found: size,
+                    waited,
+                });
+            }
+            thread::sleep(POLL_INTERVAL.min(timeout - waited));
+        }
+    }
+}

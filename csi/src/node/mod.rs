@@ -1,0 +1,373 @@
+//! The CSI Node service.
+//!
+//! A thin gRPC layer ([`NodeService`]) over synchronous operations (`engine`, `attach`) built on
+//! `pillar-host`. Each call checks its request first (INVALID_ARGUMENT before anything is
+//! touched), takes the volume's lock (a second call on a busy volume gets ABORTED, as the CSI
+//! spec suggests, instead of piling up behind a slow mkfs or connect), and runs the operation on
+//! a blocking thread that keeps the lock until the work is really done, even when the caller
+//! gives up. Errors become gRPC statuses in one place ([`code_of`]).
+//!
+//! Rules: N1 (connect with the node's own host NQN and host ID, verify the namespace identity
+//! before touching the device), N2 (stage record written before attaching), N3 (only a blank
+//! device is formatted), N4 (unstage disconnects only this subsystem's controllers of this host),
+//! C4 (a corrupt stage record is an error).
+
+mod attach;
+mod config;
+mod engine;
+mod error;
+mod request;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use pillar_host::StageStore;
+use pillar_nvmet::VolumeId;
+use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
+
+pub use config::{AttachMode, DEFAULT_CONNECT_TIMEOUT, NodeConfig};
+pub use engine::DEFAULT_FS;
+pub use error::{NodeError, code_of, describe};
+
+use crate::csi;
+use crate::csi::node_server::{Node, NodeServer};
+use crate::node_id::NodeId;
+use engine::Engine;
+
+/// The topology key a node's segment is published under.
+pub const TOPOLOGY_KEY: &str = "pillar.io/node";
+
+/// Volumes with an operation in progress.
+#[derive(Debug, Default)]
+struct VolumeLocks {
+    busy: Arc<Mutex<HashSet<VolumeId>>>,
+}
+
+/// Held while an operation on one volume runs; dropping it frees the volume.
+#[derive(Debug)]
+struct VolumeGuard {
+    busy: Arc<Mutex<HashSet<VolumeId>>>,
+    volume: VolumeId,
+}
+
+impl VolumeLocks {
+    fn try_lock(&self, volume: &VolumeId) -> Result<VolumeGuard, NodeError> {
+        let mut busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
+        if !busy.insert(volume.clone()) {
+            return Err(NodeError::Busy(volume.to_string()));
+        }
+        Ok(VolumeGuard {
+            busy: Arc::clone(&self.busy),
+            volume: volume.clone(),
+        })
+    }
+}
+
+impl Drop for VolumeGuard {
+    fn drop(&mut self) {
+        self.busy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.volume);
+    }
+}
+
+/// The CSI Node service.
+#[derive(Debug, Clone)]
+pub struct NodeService {
+    engine: Arc<Engine>,
+    locks: Arc<VolumeLocks>,
+    node_id: String,
+}
+
+impl NodeService {
+    /// Checks the configuration and opens the stage record directory
+    /// (`<state_dir>/staged`, created if missing).
+    pub fn new(config: NodeConfig) -> Result<Self, NodeError> {
+        if config.node_name.is_empty() || config.node_name.contains('/') {
+            return Err(NodeError::Config(format!(
+                "node name {:?} must be non-empty and without '/'",
+                config.node_name
+            )));
+        }
+        if config.host_id.is_nil() {
+            return Err(NodeError::Config(
+                "the host ID is the nil UUID; read /etc/nvme/hostid".into(),
+            ));
+        }
+        let node_id = NodeId {
+            node: config.node_name.clone(),
+            host_nqn: config.host_nqn.clone(),
+        }
+        .format()
+        .map_err(NodeError::NodeId)?;
+        let store =
+            StageStore::open(&config.state_dir).map_err(|source| NodeError::OpenStageStore {
+                dir: config.state_dir.clone(),
+                source: Box::new(source),
+            })?;
+        tracing::info!(%node_id, mode = ?config.attach, "node service ready");
+        if config.attach == AttachMode::LocalDevice {
+            tracing::warn!(
+                "single-machine mode: volumes are local block devices and their NVMe identity \
+                 cannot be verified"
+            );
+        }
+        Ok(Self {
+            engine: Arc::new(Engine { cfg: config, store }),
+            locks: Arc::default(),
+            node_id,
+        })
+    }
+
+    /// This node's CSI node ID, `<node-name>/<host-nqn>`.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// The tonic service.
+    pub fn into_server(self) -> NodeServer<Self> {
+        NodeServer::new(self)
+    }
+
+    /// Runs `f` on a blocking thread inside `span`.
+    async fn blocking<T, F>(&self, span: tracing::Span, f: F) -> Result<T, NodeError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Engine) -> Result<T, NodeError> + Send + 'static,
+    {
+        let engine = Arc::clone(&self.engine);
+        tokio::task::spawn_blocking(move || span.in_scope(|| f(&engine)))
+            .await
+            .map_err(NodeError::Task)?
+    }
+}
+
+/// Where node results become statuses: logs the failure with its cause chain.
+fn respond<T>(result: Result<T, NodeError>) -> Result<Response<T>, Status> {
+    match result {
+        Ok(v) => Ok(Response::new(v)),
+        Err(err) => {
+            let status = Status::from(err);
+            tracing::warn!(code = ?status.code(), error = %status.message(), "call failed");
+            Err(status)
+        }
+    }
+}
+
+fn usage(unit: csi::volume_usage::Unit, total: u64, available: u64, used: u64) -> csi::VolumeUsage {
+    let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    csi::VolumeUsage {
+        available: clamp(available),
+        total: clamp(total),
+        used: clamp(used),
+        unit: unit.into(),
+    }
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    async fn node_stage_volume(
+        &self,
+        request: Request<csi::NodeStageVolumeRequest>,
+    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("NodeStageVolume", volume_id = %req.volume_id);
+        let result = async {
+            let volume = request::volume_id(&req.volume_id)?;
+            let staging = request::path("staging_target_path", &req.staging_target_path)?;
+            let cap = request::capability(req.volume_capability.as_ref())?;
+            let cfg = &self.engine.cfg;
+            let ctx = request::stage_context(
+                &volume,
+                &req.publish_context,
+                &cfg.attach,
+                &cfg.host_nqn,
+                cfg.host_id,
+            )?;
+            let guard = self.locks.try_lock(&volume)?;
+            self.blocking(tracing::Span::current(), move |e| {
+                let _guard = guard;
+                e.stage(&volume, &staging, &cap, &ctx)
+            })
+            .await?;
+            Ok(csi::NodeStageVolumeResponse {})
+        }
+        .instrument(span.clone())
+        .await;
+        span.in_scope(|| respond(result))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("NodeUnstageVolume", volume_id = %req.volume_id);
+        let result = async {
+            let volume = request::volume_id(&req.volume_id)?;
+            let staging = request::path("staging_target_path", &req.staging_target_path)?;
+            let guard = self.locks.try_lock(&volume)?;
+            self.blocking(tracing::Span::current(), move |e| {
+                let _guard = guard;
+                e.unstage(&volume, &staging)
+            })
+            .await?;
+            Ok(csi::NodeUnstageVolumeResponse {})
+        }
+        .instrument(span.clone())
+        .await;
+        span.in_scope(|| respond(result))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<csi::NodePublishVolumeRequest>,
+    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("NodePublishVolume", volume_id = %req.volume_id);
+        let result = async {
+            let volume = request::volume_id(&req.volume_id)?;
+            let target = request::path("target_path", &req.target_path)?;
+            let cap = request::capability(req.volume_capability.as_ref())?;
+            let staging = request::path("staging_target_path", &req.staging_target_path)?;
+            let readonly = req.readonly;
+            let guard = self.locks.try_lock(&volume)?;
+            self.blocking(tracing::Span::current(), move |e| {
+                let _guard = guard;
+                e.publish(&volume, &staging, &target, &cap, readonly)
+            })
+            .await?;
+            Ok(csi::NodePublishVolumeResponse {})
+        }
+        .instrument(span.clone())
+        .await;
+        span.in_scope(|| respond(result))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("NodeUnpublishVolume", volume_id = %req.volume_id);
+        let result = async {
+            let volume = request::volume_id(&req.volume_id)?;
+            let target = request::path("target_path", &req.target_path)?;
+            let guard = self.locks.try_lock(&volume)?;
+            self.blocking(tracing::Span::current(), move |e| {
+                let _guard = guard;
+                e.unpublish(&target)
+            })
+            .await?;
+            Ok(csi::NodeUnpublishVolumeResponse {})
+        }
+        .instrument(span.clone())
+        .await;
+        span.in_scope(|| respond(result))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        let span = tracing::debug_span!("NodeGetVolumeStats", volume_id = %req.volume_id);
+        let result = async {
+            let volume = request::volume_id(&req.volume_id)?;
+            let path = request::path("volume_path", &req.volume_path)?;
+            // Read-only: no lock, so the periodic stats never make a stage wait or abort.
+            let u = self
+                .blocking(tracing::Span::current(), move |e| e.stats(&volume, &path))
+                .await?;
+            use csi::volume_usage::Unit;
+            let mut out = vec![usage(
+                Unit::Bytes,
+                u.bytes_total,
+                u.bytes_available.unwrap_or(0),
+                u.bytes_used.unwrap_or(0),
+            )];
+            if let Some((total, free, used)) = u.inodes {
+                out.push(usage(Unit::Inodes, total, free, used));
+            }
+            Ok(csi::NodeGetVolumeStatsResponse {
+                usage: out,
+                volume_condition: Some(csi::VolumeCondition {
+                    abnormal: u.condition.abnormal,
+                    message: u.condition.message,
+                }),
+            })
+        }
+        .instrument(span.clone())
+        .await;
+        span.in_scope(|| respond(result))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let span = tracing::info_span!("NodeExpandVolume", volume_id = %req.volume_id);
+        let result = async {
+            let volume = request::volume_id(&req.volume_id)?;
+            let path = request::path("volume_path", &req.volume_path)?;
+            let required = req.capacity_range.map_or(0, |r| r.required_bytes);
+            let required = u64::try_from(required).map_err(|_| NodeError::InvalidField {
+                field: "capacity_range.required_bytes",
+                reason: format!("{required} is negative"),
+            })?;
+            if let Some(cap) = req.volume_capability.as_ref() {
+                request::capability(Some(cap))?;
+            }
+            let guard = self.locks.try_lock(&volume)?;
+            let size = self
+                .blocking(tracing::Span::current(), move |e| {
+                    let _guard = guard;
+                    e.expand(&volume, &path, required)
+                })
+                .await?;
+            Ok(csi::NodeExpandVolumeResponse {
+                capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX),
+            })
+        }
+        .instrument(span.clone())
+        .await;
+        span.in_scope(|| respond(result))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _request: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
+        use csi::node_service_capability::{Rpc, Type, rpc};
+        let capabilities = [
+            rpc::Type::StageUnstageVolume,
+            rpc::Type::ExpandVolume,
+            rpc::Type::GetVolumeStats,
+            rpc::Type::VolumeCondition,
+        ]
+        .into_iter()
+        .map(|t| csi::NodeServiceCapability {
+            r#type: Some(Type::Rpc(Rpc { r#type: t.into() })),
+        })
+        .collect();
+        Ok(Response::new(csi::NodeGetCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _request: Request<csi::NodeGetInfoRequest>,
+    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+        let segments =
+            HashMap::from([(TOPOLOGY_KEY.to_owned(), self.engine.cfg.node_name.clone())]);
+        Ok(Response::new(csi::NodeGetInfoResponse {
+            node_id: self.node_id.clone(),
+            max_volumes_per_node: 0,
+            accessible_topology: Some(csi::Topology { segments }),
+        }))
+    }
+}

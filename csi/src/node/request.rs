@@ -1,0 +1,408 @@
+//! Turning CSI requests into checked values: everything INVALID_ARGUMENT is decided here, before
+//! any lock is taken or anything on the node is touched.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use pillar_host::{ConnectOptions, FsType, StageMode};
+use pillar_nvmet::{HostNqn, SubsystemNqn, VolumeId};
+use uuid::Uuid;
+
+use super::NodeError;
+use super::config::AttachMode;
+use crate::context;
+use crate::csi::VolumeCapability;
+use crate::csi::volume_capability::AccessType;
+use crate::csi::volume_capability::access_mode::Mode;
+
+/// A non-empty, valid pillar volume ID.
+pub(crate) fn volume_id(id: &str) -> Result<VolumeId, NodeError> {
+    if id.is_empty() {
+        return Err(NodeError::MissingField("volume_id"));
+    }
+    VolumeId::parse(id).map_err(|source| NodeError::InvalidVolumeId {
+        id: id.to_owned(),
+        source,
+    })
+}
+
+/// A non-empty absolute path.
+pub(crate) fn path(field: &'static str, value: &str) -> Result<PathBuf, NodeError> {
+    if value.is_empty() {
+        return Err(NodeError::MissingField(field));
+    }
+    let p = Path::new(value);
+    if !p.is_absolute() {
+        return Err(NodeError::RelativePath {
+            field,
+            path: value.to_owned(),
+        });
+    }
+    Ok(p.to_path_buf())
+}
+
+/// How the workload sees the volume.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Access {
+    Block,
+    Mount {
+        /// The capability's `fs_type`; `None` when empty.
+        fs: Option<FsType>,
+        flags: Vec<String>,
+    },
+}
+
+/// A checked volume capability.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Capability {
+    pub access: Access,
+    /// The access mode allows reading only.
+    pub reader_only: bool,
+}
+
+impl Capability {
+    /// The stage mode this capability asks for, with `default_fs` for a mount without a type.
+    pub fn stage_mode(&self, default_fs: FsType) -> StageMode {
+        match &self.access {
+            Access::Block => StageMode::Block,
+            Access::Mount { fs, .. } => StageMode::Filesystem {
+                fs_type: fs.unwrap_or(default_fs),
+            },
+        }
+    }
+
+    pub fn is_block(&self) -> bool {
+        self.access == Access::Block
+    }
+}
+
+/// Checks a volume capability: an access type, a known access mode other than
+/// MULTI_NODE_MULTI_WRITER, and for a mount an `fs_type` of ext4, xfs or empty.
+pub(crate) fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeError> {
+    let cap = cap.ok_or(NodeError::MissingField("volume_capability"))?;
+    let raw_mode = cap
+        .access_mode
+        .ok_or(NodeError::MissingField("volume_capability.access_mode"))?
+        .mode;
+    let mode = Mode::try_from(raw_mode)
+        .map_err(|_| NodeError::UnsupportedCapability(format!("unknown access mode {raw_mode}")))?;
+    let reader_only = match mode {
+        Mode::Unknown => {
+            return Err(NodeError::UnsupportedCapability(
+                "access mode UNKNOWN".into(),
+            ));
+        }
+        Mode::MultiNodeMultiWriter => {
+            return Err(NodeError::UnsupportedCapability(
+                "MULTI_NODE_MULTI_WRITER: a pillar volume has one writer".into(),
+            ));
+        }
+        Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly => true,
+        Mode::SingleNodeWriter
+        | Mode::MultiNodeSingleWriter
+        | Mode::SingleNodeSingleWriter
+        | Mode::SingleNodeMultiWriter => false,
+    };
+    let access = match cap
+        .access_type
+        .as_ref()
+        .ok_or(NodeError::MissingField("volume_capability.access_type"))?
+    {
+        AccessType::Block(_) => Access::Block,
+        AccessType::Mount(m) => {
+            let fs = match m.fs_type.as_str() {
+                "" => None,
+                other => Some(FsType::parse(other).map_err(|_| {
+                    NodeError::UnsupportedCapability(format!(
+                        "filesystem {other:?} (pillar supports ext4 and xfs)"
+                    ))
+                })?),
+            };
+            Access::Mount {
+                fs,
+                flags: m.mount_flags.clone(),
+            }
+        }
+    };
+    Ok(Capability {
+        access,
+        reader_only,
+    })
+}
+
+/// How to reach the volume's device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum AttachTarget {
+    /// NVMe/TCP, with every connect option explicit (rule N1).
+    Nvme(ConnectOptions),
+    /// The single-machine mode: a local block device.
+    Local {
+        device: PathBuf,
+        /// The export's address, when the context names one (recorded for the operator only).
+        traddr: Option<IpAddr>,
+        trsvcid: Option<u16>,
+    },
+}
+
+/// What NodeStageVolume needs from `publish_context`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StageContext {
+    pub nqn: SubsystemNqn,
+    pub target: AttachTarget,
+    /// `FS_TYPE`, used when the capability names none.
+    pub fs_type: Option<FsType>,
+    /// `MKFS_OPTIONS`.
+    pub mkfs_options: Vec<String>,
+}
+
+fn required<'a>(ctx: &'a HashMap<String, String>, key: &'static str) -> Result<&'a str, NodeError> {
+    match ctx.get(key).map(String::as_str) {
+        Some(v) if !v.is_empty() => Ok(v),
+        _ => Err(NodeError::MissingContext(key)),
+    }
+}
+
+fn optional<'a>(ctx: &'a HashMap<String, String>, key: &'static str) -> Option<&'a str> {
+    ctx.get(key).map(String::as_str).filter(|v| !v.is_empty())
+}
+
+fn parsed<T: std::str::FromStr>(key: &'static str, value: &str) -> Result<T, NodeError>
+where
+    T::Err: std::fmt::Display,
+{
+    value
+        .parse()
+        .map_err(|e: T::Err| NodeError::InvalidContext {
+            key,
+            value: value.to_owned(),
+            reason: e.to_string(),
+        })
+}
+
+/// Reads and checks the stage keys of `publish_context` for `volume`.
+pub(crate) fn stage_context(
+    volume: &VolumeId,
+    ctx: &HashMap<String, String>,
+    mode: &AttachMode,
+    hostnqn: &HostNqn,
+    hostid: Uuid,
+) -> Result<StageContext, NodeError> {
+    let nqn_text = required(ctx, context::NQN)?;
+    let nqn = SubsystemNqn::parse(nqn_text).map_err(|e| NodeError::InvalidContext {
+        key: context::NQN,
+        value: nqn_text.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let expected = volume.subsystem_nqn();
+    if nqn != expected {
+        return Err(NodeError::NqnMismatch {
+            volume: volume.to_string(),
+            expected: expected.to_string(),
+            found: nqn.to_string(),
+        });
+    }
+    let target = match mode {
+        AttachMode::NvmeTcp => {
+            let opts = ConnectOptions {
+                traddr: parsed(context::TRADDR, required(ctx, context::TRADDR)?)?,
+                trsvcid: parsed(context::TRSVCID, required(ctx, context::TRSVCID)?)?,
+                nqn: nqn.clone(),
+                hostnqn: hostnqn.clone(),
+                hostid,
+                ctrl_loss_tmo: parsed(
+                    context::CTRL_LOSS_TMO,
+                    required(ctx, context::CTRL_LOSS_TMO)?,
+                )?,
+                reconnect_delay: parsed(
+                    context::RECONNECT_DELAY,
+                    required(ctx, context::RECONNECT_DELAY)?,
+                )?,
+            };
+            if opts.ctrl_loss_tmo < -1 {
+                return Err(NodeError::InvalidContext {
+                    key: context::CTRL_LOSS_TMO,
+                    value: opts.ctrl_loss_tmo.to_string(),
+                    reason: "must be -1 (forever) or a number of seconds".into(),
+                });
+            }
+            opts.validate().map_err(|e| NodeError::InvalidContext {
+                key: "connect options",
+                value: opts.options_line(),
+                reason: e.to_string(),
+            })?;
+            AttachTarget::Nvme(opts)
+        }
+        AttachMode::LocalDevice => {
+            let device = required(ctx, context::LOCAL_DEVICE)?;
+            if !Path::new(device).is_absolute() {
+                return Err(NodeError::InvalidContext {
+                    key: context::LOCAL_DEVICE,
+                    value: device.to_owned(),
+                    reason: "must be an absolute path".into(),
+                });
+            }
+            AttachTarget::Local {
+                device: PathBuf::from(device),
+                traddr: optional(ctx, context::TRADDR)
+                    .map(|v| parsed(context::TRADDR, v))
+                    .transpose()?,
+                trsvcid: optional(ctx, context::TRSVCID)
+                    .map(|v| parsed(context::TRSVCID, v))
+                    .transpose()?,
+            }
+        }
+    };
+    let fs_type = optional(ctx, context::FS_TYPE)
+        .map(|v| {
+            FsType::parse(v).map_err(|e| NodeError::InvalidContext {
+                key: context::FS_TYPE,
+                value: v.to_owned(),
+                reason: e.to_string(),
+            })
+        })
+        .transpose()?;
+    let mkfs_options = match optional(ctx, context::MKFS_OPTIONS) {
+        None => Vec::new(),
+        Some(v) => {
+            serde_json::from_str::<Vec<String>>(v).map_err(|e| NodeError::InvalidContext {
+                key: context::MKFS_OPTIONS,
+                value: v.to_owned(),
+                reason: format!("expected a JSON array of strings: {e}"),
+            })?
+        }
+    };
+    Ok(StageContext {
+        nqn,
+        target,
+        fs_type,
+        mkfs_options,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::csi::volume_capability::{AccessMode, BlockVolume, MountVolume};
+
+    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0a0a0a0a-0000-4000-8000-00000000000a";
+
+    fn cap(mode: Mode, access: Option<AccessType>) -> VolumeCapability {
+        VolumeCapability {
+            access_type: access,
+            access_mode: Some(AccessMode { mode: mode.into() }),
+        }
+    }
+
+    fn mount(fs: &str) -> Option<AccessType> {
+        Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            ..Default::default()
+        }))
+    }
+
+    #[test]
+    fn capabilities() {
+        let c = capability(Some(&cap(Mode::SingleNodeWriter, mount("")))).unwrap();
+        assert_eq!(
+            c.stage_mode(FsType::Xfs),
+            StageMode::Filesystem {
+                fs_type: FsType::Xfs
+            }
+        );
+        assert!(!c.reader_only);
+        let c = capability(Some(&cap(Mode::MultiNodeReaderOnly, mount("ext4")))).unwrap();
+        assert!(c.reader_only);
+        assert_eq!(
+            c.stage_mode(FsType::Xfs),
+            StageMode::Filesystem {
+                fs_type: FsType::Ext4
+            }
+        );
+        let block = Some(AccessType::Block(BlockVolume {}));
+        assert!(
+            capability(Some(&cap(Mode::SingleNodeSingleWriter, block.clone())))
+                .unwrap()
+                .is_block()
+        );
+        for bad in [
+            cap(Mode::MultiNodeMultiWriter, block.clone()),
+            cap(Mode::Unknown, block),
+            cap(Mode::SingleNodeWriter, mount("btrfs")),
+            cap(Mode::SingleNodeWriter, None),
+            VolumeCapability {
+                access_type: mount(""),
+                access_mode: None,
+            },
+        ] {
+            let err = capability(Some(&bad)).unwrap_err();
+            assert_eq!(
+                super::super::code_of(&err),
+                tonic::Code::InvalidArgument,
+                "{bad:?}"
+            );
+        }
+        assert!(capability(None).is_err());
+    }
+
+    fn ctx(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    // proves N1: the connect options carry this node's host NQN and host ID, and the NQN must be
+    // the volume's own.
+    #[test]
+    fn stage_context_for_nvme() {
+        let vol = VolumeId::parse("pvc-1").unwrap();
+        let host = HostNqn::parse(HOST).unwrap();
+        let id = Uuid::from_u128(7);
+        let nqn = vol.subsystem_nqn().to_string();
+        let good = [
+            (context::NQN, nqn.as_str()),
+            (context::TRADDR, "192.0.2.10"),
+            (context::TRSVCID, "4420"),
+            (context::CTRL_LOSS_TMO, "-1"),
+            (context::RECONNECT_DELAY, "2"),
+            (context::MKFS_OPTIONS, "[\"-m0\"]"),
+        ];
+        let sc = stage_context(&vol, &ctx(&good), &AttachMode::NvmeTcp, &host, id).unwrap();
+        match sc.target {
+            AttachTarget::Nvme(o) => {
+                assert_eq!(o.hostnqn, host);
+                assert_eq!(o.hostid, id);
+                assert_eq!(o.ctrl_loss_tmo, -1);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(sc.mkfs_options, ["-m0"]);
+        for i in 0..5 {
+            let mut partial = good.to_vec();
+            partial.remove(i);
+            let err =
+                stage_context(&vol, &ctx(&partial), &AttachMode::NvmeTcp, &host, id).unwrap_err();
+            assert!(matches!(err, NodeError::MissingContext(_)), "{err:?}");
+        }
+        let other = VolumeId::parse("pvc-2").unwrap();
+        let err = stage_context(&other, &ctx(&good), &AttachMode::NvmeTcp, &host, id).unwrap_err();
+        assert!(matches!(err, NodeError::NqnMismatch { .. }), "{err:?}");
+        for (key, bad) in [
+            (context::TRADDR, "host.example"),
+            (context::TRSVCID, "0"),
+            (context::CTRL_LOSS_TMO, "-2"),
+            (context::RECONNECT_DELAY, "0"),
+            (context::MKFS_OPTIONS, "-m0"),
+            (context::FS_TYPE, "ntfs"),
+        ] {
+            let mut m = ctx(&good);
+            m.insert(key.to_owned(), bad.to_owned());
+            let err = stage_context(&vol, &m, &AttachMode::NvmeTcp, &host, id).unwrap_err();
+            assert!(
+                matches!(err, NodeError::InvalidContext { .. }),
+                "{key}: {err:?}"
+            );
+        }
+    }
+}
