@@ -287,3 +287,56 @@ async fn a_configfs_plan_stops_at_the_first_failure() {
             .unwrap();
     }
 }
+
+// Concurrent requests are independent chains: one request failing (its temp path is a
+// directory, so the open fails) cancels nothing of the others submitted with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_failing_request_does_not_cancel_its_neighbours() {
+    for engine in engines(no_fault()) {
+        let engine = Arc::new(engine);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        std::fs::create_dir(dir.path().join(".poisoned.json.tmp")).unwrap();
+        for round in 0..5 {
+            let tasks: Vec<_> = (0..32)
+                .map(|i| {
+                    let (engine, dir) = (Arc::clone(&engine), Arc::clone(&dir));
+                    let name = if i == 7 {
+                        "poisoned.json".to_owned()
+                    } else {
+                        format!("v{i}.json")
+                    };
+                    tokio::spawn(async move {
+                        (
+                            i,
+                            engine
+                                .replace_file(&dir, &name, format!("{round}").into_bytes())
+                                .await,
+                        )
+                    })
+                })
+                .collect();
+            for t in tasks {
+                let (i, r) = t.await.unwrap();
+                if i == 7 {
+                    assert!(
+                        r.is_err(),
+                        "{}: the poisoned request must fail",
+                        engine.name()
+                    );
+                } else {
+                    r.unwrap_or_else(|e| {
+                        panic!(
+                            "{}: request {i} failed with its neighbour: {e}",
+                            engine.name()
+                        )
+                    });
+                    assert_eq!(
+                        std::fs::read_to_string(dir.path().join(format!("v{i}.json"))).unwrap(),
+                        format!("{round}")
+                    );
+                }
+            }
+        }
+    }
+}

@@ -30,6 +30,12 @@ struct Args {
     /// Client counts to run.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     clients: Vec<usize>,
+    /// Engines to run.
+    #[arg(long, value_delimiter = ',', default_value = "io_uring,sync")]
+    engines: Vec<String>,
+    /// Skip the disk floor measurement.
+    #[arg(long)]
+    no_floor: bool,
     /// Print JSON lines as well.
     #[arg(long)]
     json: bool,
@@ -90,7 +96,11 @@ async fn main() -> anyhow::Result<()> {
         Some(d) => tempfile::tempdir_in(d)?,
         None => tempfile::tempdir_in(".")?,
     };
-    let mut floor_l = floor(base.path(), args.ops)?;
+    let mut floor_l = if args.no_floor {
+        Latencies::default()
+    } else {
+        floor(base.path(), args.ops)?
+    };
     let (f50, f99, f999) = (
         floor_l.quantile_us(0.5),
         floor_l.quantile_us(0.99),
@@ -104,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
         "engine", "clients", "p50 us", "p99 us", "p99.9 us", "ops/s", "dirfsync/op", "enters/op"
     );
     for &clients in &args.clients {
-        for name in ["io_uring", "sync"] {
+        for name in args.engines.iter().map(String::as_str) {
             let engine = Arc::new(match name {
                 "io_uring" => Engine::Uring(UringEngine::start(UringConfig::default())?),
                 _ => Engine::Sync(SyncEngine::new()),

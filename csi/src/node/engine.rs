@@ -104,15 +104,11 @@ fn exists(path: &Path) -> Result<bool, NodeError> {
 impl Engine {
     fn read_record(&self, volume: &VolumeId) -> Result<Option<StageRecord>, NodeError> {
         // Rule C4: a corrupt record is an error, never "not staged".
-        Ok(self.store.read(volume).ok().flatten())
-            .map_err(|_: ()| NodeError::Busy(String::new()))
-            .or_else(|_: NodeError| {
-                self.store
-                    .read(volume)
-                    .map_err(|source| NodeError::ReadRecord {
-                        volume: volume.to_string(),
-                        source: Box::new(source),
-                    })
+        self.store
+            .read(volume)
+            .map_err(|source| NodeError::ReadRecord {
+                volume: volume.to_string(),
+                source: Box::new(source),
             })
     }
 
@@ -150,8 +146,18 @@ impl Engine {
                         tracing::info!("already staged");
                         return Ok(());
                     }
-                    // A block stage is re-run: attaching again reuses the controller and
-                    // re-verifies the device.
+                    if mode == StageMode::Block {
+                        // Staged if the device is still there (found by NQN and verified);
+                        // after a reboot it is not, and the stage runs again.
+                        match self.find_device(&rec) {
+                            Ok(_) => {
+                                tracing::info!("already staged");
+                                return Ok(());
+                            }
+                            Err(e) => tracing::info!(reason = %super::describe(&e),
+                                "block volume recorded as staged but its device is gone; attaching again"),
+                        }
+                    }
                 }
             } else {
                 let in_use = match rec.mode {
@@ -202,7 +208,10 @@ impl Engine {
                 Access::Mount { flags, .. } => flags,
                 Access::Block => &[],
             };
-            self.stage_filesystem(&device, staging, fs_type, cap.reader_only, flags, ctx)?;
+            self.format(&device, fs_type, ctx)?;
+            record.phase = StagePhase::Formatted;
+            self.write_record(&record)?;
+            self.mount_staging(&device, staging, fs_type, cap.reader_only, flags)?;
         }
         // For a block volume nothing is mounted at the staging path: `Mounted` means "staged".
         record.phase = StagePhase::Mounted;
@@ -211,13 +220,11 @@ impl Engine {
         Ok(())
     }
 
-    fn stage_filesystem(
+    /// Rule N3: formats the device only if it is blank.
+    fn format(
         &self,
         device: &Device,
-        staging: &Path,
         fs_type: FsType,
-        readonly: bool,
-        flags: &[String],
         ctx: &StageContext,
     ) -> Result<(), NodeError> {
         // Rule N3: format_if_blank formats only a blank device.
@@ -234,9 +241,21 @@ impl Engine {
                 tracing::info!(%fs_type, "device already holds the filesystem")
             }
         }
+        Ok(())
+    }
+
+    /// Mounts the device at the staging path, or accepts the mount already there if it is this
+    /// device's (a crash after mounting, before the record said so).
+    fn mount_staging(
+        &self,
+        device: &Device,
+        staging: &Path,
+        fs_type: FsType,
+        readonly: bool,
+        flags: &[String],
+    ) -> Result<(), NodeError> {
         create_dir(staging)?;
         if let Some(entry) = check_mount(staging)? {
-            // A crash after mounting, before the record said so: accept our own mount only.
             let want = devnum(&device.path)?;
             if (entry.major, entry.minor) != want {
                 return Err(NodeError::StagingPathBusy {

@@ -80,9 +80,19 @@ impl AgentUnderTest {
             state_dir: self.state.clone(),
             listen: Listen::Unix(self.socket.clone()),
             engine: EngineKind::Uring,
-            target: TargetConfig::Double { root: self.configfs.clone() },
-            pools: vec![PoolConfig { name: "p1".into(), kind: PoolKind::File { dir: self.pool.clone() } }],
-            settings: AgentSettings { nvme_address: "127.0.0.1".parse().unwrap(), kernel_random_identity: false },
+            target: TargetConfig::Double {
+                root: self.configfs.clone(),
+            },
+            pools: vec![PoolConfig {
+                name: "p1".into(),
+                kind: PoolKind::File {
+                    dir: self.pool.clone(),
+                },
+            }],
+            settings: AgentSettings {
+                nvme_address: "127.0.0.1".parse().unwrap(),
+                kernel_random_identity: false,
+            },
             tls: None,
             insecure_plaintext: true,
             metrics_listen: None,
@@ -131,10 +141,16 @@ impl Env {
         let dir = tempfile::tempdir().unwrap();
         let agent = AgentUnderTest::start(dir.path()).await;
         let (store, double): (Arc<dyn StateStore>, _) = match kind {
-            StoreKind::Embedded => (Arc::new(EmbeddedStore::open(dir.path().join("store")).await.unwrap()), None),
+            StoreKind::Embedded => (
+                Arc::new(EmbeddedStore::open(dir.path().join("store")).await.unwrap()),
+                None,
+            ),
             StoreKind::Kube => {
                 let double = ApiServerDouble::start().await.unwrap();
-                (Arc::new(KubeStore::new(double.client().unwrap())), Some(double))
+                (
+                    Arc::new(KubeStore::new(double.client().unwrap())),
+                    Some(double),
+                )
             }
         };
         store
@@ -144,17 +160,31 @@ impl Env {
                     node: AGENT.into(),
                     address: format!("unix://{}", agent.socket.display()),
                     tls: None,
-                    pools: vec![PoolRef { name: "p1".into(), kind: "file".into() }],
+                    pools: vec![PoolRef {
+                        name: "p1".into(),
+                        kind: "file".into(),
+                    }],
                     nvme_address: "127.0.0.1".into(),
                 },
             )
             .await
             .unwrap();
         store
-            .create_protocol("nvme-tcp", PillarProtocolSpec { nvme_tcp: NvmeTcp { acl, ..NvmeTcp::default() } })
+            .create_protocol(
+                "nvme-tcp",
+                PillarProtocolSpec {
+                    nvme_tcp: NvmeTcp {
+                        acl,
+                        ..NvmeTcp::default()
+                    },
+                },
+            )
             .await
             .unwrap();
-        let controller = Controller::new(Arc::clone(&store), Agents::new(None, true, Duration::from_secs(10)));
+        let controller = Controller::new(
+            Arc::clone(&store),
+            Agents::new(None, true, Duration::from_secs(10)),
+        );
         // The agent just started: it waits for the resync the controller sends.
         controller.resync_waiting_agents().await;
         let socket = dir.path().join("controller.sock");
@@ -164,19 +194,33 @@ impl Env {
         tokio::spawn(async move {
             tonic::transport::Server::builder()
                 .add_service(csi::controller_server::ControllerServer::new(service))
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async {
-                    let _ = stopped.await;
-                })
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(listener),
+                    async {
+                        let _ = stopped.await;
+                    },
+                )
                 .await
                 .unwrap();
         });
         let client = ControllerClient::new(channel(&socket).await);
-        Self { dir, agent, store, controller, client, double, stop: Some(stop) }
+        Self {
+            dir,
+            agent,
+            store,
+            controller,
+            client,
+            double,
+            stop: Some(stop),
+        }
     }
 
     /// A second controller (another replica, or the next leader) over the same store.
     pub fn second_controller(&self) -> Arc<Controller> {
-        Controller::new(Arc::clone(&self.store), Agents::new(None, true, Duration::from_secs(10)))
+        Controller::new(
+            Arc::clone(&self.store),
+            Agents::new(None, true, Duration::from_secs(10)),
+        )
     }
 }
 
@@ -190,15 +234,26 @@ impl Drop for Env {
 }
 
 pub fn detach_loops_under(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir("/sys/block") else { return };
+    let Ok(entries) = std::fs::read_dir("/sys/block") else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !name.starts_with("loop") {
             continue;
         }
-        let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
-        if backing.trim().trim_end_matches(" (deleted)").starts_with(&dir.display().to_string()) {
-            let _ = std::process::Command::new("losetup").arg("-d").arg(format!("/dev/{name}")).status();
+        let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) else {
+            continue;
+        };
+        if backing
+            .trim()
+            .trim_end_matches(" (deleted)")
+            .starts_with(&dir.display().to_string())
+        {
+            let _ = std::process::Command::new("losetup")
+                .arg("-d")
+                .arg(format!("/dev/{name}"))
+                .status();
         }
     }
 }
@@ -214,11 +269,13 @@ pub fn node_id(n: u32) -> String {
 pub fn cap(mode: csi::volume_capability::access_mode::Mode) -> csi::VolumeCapability {
     csi::VolumeCapability {
         access_mode: Some(csi::volume_capability::AccessMode { mode: mode.into() }),
-        access_type: Some(csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume {
-            fs_type: "ext4".into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        })),
+        access_type: Some(csi::volume_capability::AccessType::Mount(
+            csi::volume_capability::MountVolume {
+                fs_type: "ext4".into(),
+                mount_flags: vec![],
+                volume_mount_group: String::new(),
+            },
+        )),
     }
 }
 
@@ -227,13 +284,21 @@ pub use csi::volume_capability::access_mode::Mode;
 pub fn create(name: &str, mode: Mode) -> csi::CreateVolumeRequest {
     csi::CreateVolumeRequest {
         name: name.into(),
-        capacity_range: Some(csi::CapacityRange { required_bytes: 16 << 20, limit_bytes: 0 }),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: 16 << 20,
+            limit_bytes: 0,
+        }),
         volume_capabilities: vec![cap(mode)],
         ..Default::default()
     }
 }
 
-pub fn publish(volume: &str, node: u32, mode: Mode, readonly: bool) -> csi::ControllerPublishVolumeRequest {
+pub fn publish(
+    volume: &str,
+    node: u32,
+    mode: Mode,
+    readonly: bool,
+) -> csi::ControllerPublishVolumeRequest {
     csi::ControllerPublishVolumeRequest {
         volume_id: volume.into(),
         node_id: node_id(node),
@@ -244,13 +309,23 @@ pub fn publish(volume: &str, node: u32, mode: Mode, readonly: bool) -> csi::Cont
 }
 
 pub fn unpublish(volume: &str, node: u32) -> csi::ControllerUnpublishVolumeRequest {
-    csi::ControllerUnpublishVolumeRequest { volume_id: volume.into(), node_id: node_id(node), ..Default::default() }
+    csi::ControllerUnpublishVolumeRequest {
+        volume_id: volume.into(),
+        node_id: node_id(node),
+        ..Default::default()
+    }
 }
 
 pub fn delete(volume: &str) -> csi::DeleteVolumeRequest {
-    csi::DeleteVolumeRequest { volume_id: volume.into(), ..Default::default() }
+    csi::DeleteVolumeRequest {
+        volume_id: volume.into(),
+        ..Default::default()
+    }
 }
 
 pub fn nqn(volume: &str) -> String {
-    pillar_nvmet::VolumeId::parse(volume).unwrap().subsystem_nqn().to_string()
+    pillar_nvmet::VolumeId::parse(volume)
+        .unwrap()
+        .subsystem_nqn()
+        .to_string()
 }

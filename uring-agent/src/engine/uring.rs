@@ -184,6 +184,7 @@ impl UringEngine {
         // SAFETY: `raw` is a freshly created descriptor that nothing else owns.
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
         let stats = Arc::new(EngineStats::default());
+        let skip_success = ring.params().is_feature_skip_cqe_on_success();
         let (tx, rx) = mpsc::channel();
         let mut thread = RingThread {
             ring,
@@ -201,6 +202,7 @@ impl UringEngine {
             next_id: 1,
             stats: Arc::clone(&stats),
             config,
+            skip_success,
         };
         let handle = std::thread::Builder::new()
             .name("pillar-uring".into())
@@ -340,7 +342,10 @@ struct Flight {
     results: Vec<Option<i32>>,
     /// Expected byte counts of write steps, by step index.
     write_len: Vec<Option<u32>>,
-    outstanding: usize,
+    /// Whether the chain's last entry has completed.
+    last_done: bool,
+    /// Steps hard-linked to the next one (a failure there does not cancel the rest).
+    hard: Vec<bool>,
     slot: Option<u32>,
     group: Option<u64>,
 }
@@ -370,6 +375,8 @@ struct RingThread {
     next_id: u64,
     stats: Arc<EngineStats>,
     config: UringConfig,
+    /// The kernel can skip completions of successful entries (Linux 5.17+).
+    skip_success: bool,
 }
 
 fn user_data(id: u64, step: usize) -> u64 {
@@ -488,6 +495,30 @@ impl RingThread {
         self.waiting = still_waiting;
     }
 
+    /// Sets user data and links on a chain: every entry but the last is linked to the next one
+    /// (`links[i]`) and, where the kernel supports it, posts no completion on success, so a
+    /// successful chain wakes the ring thread once.
+    fn seal_chain(&self, id: u64, entries: Vec<Entry>, links: &[Flags]) -> Vec<Entry> {
+        let n = entries.len();
+        entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let e = e.user_data(user_data(id, i));
+                if i + 1 < n {
+                    let skip = if self.skip_success {
+                        Flags::SKIP_SUCCESS
+                    } else {
+                        Flags::empty()
+                    };
+                    e.flags(links.get(i).copied().unwrap_or(Flags::IO_LINK) | skip)
+                } else {
+                    e
+                }
+            })
+            .collect()
+    }
+
     fn fail_step(&self, step: DurableStep, entry: Entry) -> Entry {
         if self.config.fault.fail_at == Some(step) {
             // An always-failing entry (EBADF) in place of the real one: the chain behaves as if
@@ -502,6 +533,8 @@ impl RingThread {
         let mut entries = Vec::with_capacity(6);
         let mut steps = Vec::with_capacity(6);
         let mut write_len = Vec::with_capacity(6);
+        // How each entry is linked to the next one (ignored for the last).
+        let mut links = Vec::with_capacity(6);
         match &job.work {
             Work::Replace {
                 dir,
@@ -517,7 +550,6 @@ impl RingThread {
                 // replace_file refuses data over 4 GiB, so this never saturates.
                 let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
                 let dirfd = Fd(dir.raw_fd());
-                let link = Flags::IO_LINK;
                 // No O_CLOEXEC: the kernel refuses it for direct descriptors (they are never
                 // in the process's fd table, so there is nothing to leak across exec).
                 let chain = [
@@ -543,7 +575,8 @@ impl RingThread {
                     ),
                 ];
                 for (step, entry) in chain {
-                    entries.push(self.fail_step(step, entry).flags(link));
+                    entries.push(self.fail_step(step, entry));
+                    links.push(Flags::IO_LINK);
                     steps.push(Step::Durable(step));
                     write_len.push((step == DurableStep::Write).then_some(len));
                 }
@@ -551,6 +584,7 @@ impl RingThread {
                     entries.push(
                         self.fail_step(DurableStep::FsyncDir, opcode::Fsync::new(dirfd).build()),
                     );
+                    links.push(Flags::empty());
                     steps.push(Step::Durable(DurableStep::FsyncDir));
                     write_len.push(None);
                 }
@@ -559,37 +593,26 @@ impl RingThread {
                 let dirfd = Fd(dir.raw_fd());
                 // Hard link: the directory fsync runs even when the file was already gone, so a
                 // removal that an earlier crash left non-durable becomes durable.
-                let flags = if group.is_none() {
-                    Flags::IO_HARDLINK
-                } else {
-                    Flags::empty()
-                };
-                entries.push(
-                    opcode::UnlinkAt::new(dirfd, name.as_ptr())
-                        .build()
-                        .flags(flags),
-                );
+                entries.push(opcode::UnlinkAt::new(dirfd, name.as_ptr()).build());
+                links.push(Flags::IO_HARDLINK);
                 steps.push(Step::Durable(DurableStep::Unlink));
                 write_len.push(None);
                 if group.is_none() {
                     entries.push(
                         self.fail_step(DurableStep::FsyncDir, opcode::Fsync::new(dirfd).build()),
                     );
+                    links.push(Flags::empty());
                     steps.push(Step::Durable(DurableStep::FsyncDir));
                     write_len.push(None);
                 }
             }
             Work::Configfs { .. } => return,
         }
-        if let Some(last) = entries.pop() {
-            // The last entry of a chain carries no link flag.
-            entries.push(last.flags(Flags::empty()));
-        }
-        let entries: Vec<Entry> = entries
-            .into_iter()
-            .enumerate()
-            .map(|(i, e)| e.user_data(user_data(id, i)))
+        let hard: Vec<bool> = links
+            .iter()
+            .map(|l| l.contains(Flags::IO_HARDLINK))
             .collect();
+        let entries = self.seal_chain(id, entries, &links);
         let n = entries.len();
         self.flights.insert(
             id,
@@ -598,7 +621,8 @@ impl RingThread {
                 steps,
                 results: vec![None; n],
                 write_len,
-                outstanding: n,
+                last_done: false,
+                hard,
                 slot,
                 group,
             },
@@ -690,19 +714,13 @@ impl RingThread {
                 }
             }
         }
-        let n = entries.len();
-        let entries: Vec<Entry> = entries
-            .into_iter()
-            .enumerate()
-            .map(|(k, e)| {
-                let e = e.user_data(user_data(id, k));
-                if k + 1 < n {
-                    e.flags(Flags::IO_LINK)
-                } else {
-                    e
-                }
-            })
+        let links = vec![Flags::IO_LINK; entries.len()];
+        let hard: Vec<bool> = links
+            .iter()
+            .map(|l| l.contains(Flags::IO_HARDLINK))
             .collect();
+        let entries = self.seal_chain(id, entries, &links);
+        let n = entries.len();
         self.flights.insert(
             id,
             Flight {
@@ -710,7 +728,8 @@ impl RingThread {
                 steps,
                 results: vec![None; n],
                 write_len,
-                outstanding: n,
+                last_done: false,
+                hard,
                 slot: Some(slot),
                 group: None,
             },
@@ -804,8 +823,10 @@ impl RingThread {
                     if let Some(r) = f.results.get_mut(step) {
                         *r = Some(res);
                     }
-                    f.outstanding -= 1;
-                    f.outstanding == 0
+                    if step + 1 == f.results.len() {
+                        f.last_done = true;
+                    }
+                    Self::finished(f, self.skip_success)
                 }
                 None => false,
             };
@@ -815,34 +836,49 @@ impl RingThread {
         }
     }
 
-    /// The first failed step of a completed chain: its index and error.
+    /// The first failed step of a chain: its index and error. A step without a completion
+    /// succeeded (its completion was skipped) or was cancelled after this failure.
     fn first_failure(flight: &Flight) -> Option<(usize, io::Error)> {
         for (i, res) in flight.results.iter().enumerate() {
-            let res = res.unwrap_or(-libc::ECANCELED);
-            if res < 0 && res != -libc::ECANCELED {
+            let Some(res) = *res else { continue };
+            if res == -libc::ECANCELED {
+                continue;
+            }
+            if res < 0 {
                 return Some((i, cqe_errno(res)));
             }
             if let Some(Some(len)) = flight.write_len.get(i)
-                && res >= 0
                 && u32::try_from(res).ok() != Some(*len)
             {
                 let msg = format!("short write: {res} of {len} bytes");
                 return Some((i, io::Error::new(io::ErrorKind::WriteZero, msg)));
             }
-            if res == -libc::ECANCELED {
-                // Cancelled without an earlier failure can only follow a short write, handled
-                // above; keep looking for the real cause.
-                continue;
-            }
         }
         None
     }
 
-    /// Whether the chain left the direct descriptor installed (opened, never closed).
+    /// Whether a chain is complete. Its last entry always completes unless an earlier entry
+    /// failed: with skipped success completions, the kernel then also skips the cancellations of
+    /// the entries after it (`REQ_F_SKIP_LINK_CQES`), so the failure itself ends the chain
+    /// (unless it was hard-linked, when the rest still runs).
+    fn finished(flight: &Flight, skip_success: bool) -> bool {
+        if flight.last_done {
+            let last = flight.results.last().copied().flatten();
+            // A cancelled last entry means an earlier failure; wait to have seen it.
+            return last != Some(-libc::ECANCELED) || Self::first_failure(flight).is_some();
+        }
+        skip_success
+            && Self::first_failure(flight)
+                .is_some_and(|(i, _)| !flight.hard.get(i).copied().unwrap_or(false))
+    }
+
+    /// Whether the chain left the direct descriptor installed (opened, never closed). Steps
+    /// before the first failure succeeded; the failed one and those after it did not run.
     fn slot_left_open(flight: &Flight) -> bool {
+        let failed_at = Self::first_failure(flight).map_or(usize::MAX, |(i, _)| i);
         let mut open = false;
-        for (step, res) in flight.steps.iter().zip(&flight.results) {
-            let ok = res.is_some_and(|r| r >= 0);
+        for (i, (step, res)) in flight.steps.iter().zip(&flight.results).enumerate() {
+            let ok = i < failed_at && res.is_none_or(|r| r >= 0);
             match step {
                 Step::Durable(DurableStep::Open)
                 | Step::Cfg {
