@@ -1,0 +1,340 @@
+//! `pillarctl`: drives a pillar controller and node plugin through their CSI sockets, the way
+//! kubelet and the sidecars do, for operators, the kernel lane and the xfstests harness.
+//! Prints one JSON object per command on stdout.
+
+// A command-line tool: its output is its result.
+#![allow(clippy::print_stdout)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand, ValueEnum};
+use hyper_util::rt::TokioIo;
+use pillar_csi::csi;
+use pillar_csi::csi::controller_client::ControllerClient;
+use pillar_csi::csi::node_client::NodeClient;
+use pillar_csi::csi::volume_capability::access_mode::Mode as CsiMode;
+use serde_json::json;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "Drive pillar's CSI controller and node plugin from the command line"
+)]
+struct Args {
+    /// The controller's CSI socket.
+    #[arg(long, default_value = "/var/lib/pillar/local/controller.sock")]
+    controller: PathBuf,
+    /// The node plugin's CSI socket.
+    #[arg(long, default_value = "/var/lib/pillar/local/node.sock")]
+    node: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Mode {
+    /// SINGLE_NODE_WRITER (ReadWriteOnce).
+    Rwo,
+    /// SINGLE_NODE_SINGLE_WRITER (ReadWriteOncePod).
+    Rwop,
+    /// MULTI_NODE_READER_ONLY (ReadOnlyMany).
+    Rox,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// NodeGetInfo of the node plugin.
+    Info,
+    /// CreateVolume.
+    Create {
+        name: String,
+        #[arg(long)]
+        size: i64,
+        #[arg(long)]
+        block: bool,
+        #[arg(long, value_enum, default_value = "rwo")]
+        mode: Mode,
+    },
+    /// ControllerPublishVolume to this node, then NodeStageVolume at PATH (and, with
+    /// --target, NodePublishVolume there).
+    Attach {
+        name: String,
+        #[arg(long)]
+        staging: PathBuf,
+        #[arg(long)]
+        target: Option<PathBuf>,
+        #[arg(long)]
+        block: bool,
+        #[arg(long)]
+        readonly: bool,
+        #[arg(long, value_enum, default_value = "rwo")]
+        mode: Mode,
+    },
+    /// NodeUnpublishVolume (with --target), NodeUnstageVolume, ControllerUnpublishVolume.
+    Detach {
+        name: String,
+        #[arg(long)]
+        staging: PathBuf,
+        #[arg(long)]
+        target: Option<PathBuf>,
+    },
+    /// ControllerExpandVolume, then NodeExpandVolume at PATH.
+    Expand {
+        name: String,
+        #[arg(long)]
+        size: i64,
+        #[arg(long)]
+        path: PathBuf,
+        #[arg(long)]
+        staging: PathBuf,
+    },
+    /// NodeGetVolumeStats at PATH.
+    Stats {
+        name: String,
+        #[arg(long)]
+        path: PathBuf,
+    },
+    /// DeleteVolume.
+    Delete { name: String },
+    /// The NVMe block device of an attached volume on this host (by subsystem NQN in sysfs).
+    Device { name: String },
+}
+
+async fn channel(path: &Path) -> anyhow::Result<Channel> {
+    let p = path.to_owned();
+    Endpoint::from_static("http://csi.invalid")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let p = p.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+            }
+        }))
+        .await
+        .with_context(|| format!("connecting to {}", path.display()))
+}
+
+fn capability(block: bool, mode: Mode) -> csi::VolumeCapability {
+    let mode = match mode {
+        Mode::Rwo => CsiMode::SingleNodeWriter,
+        Mode::Rwop => CsiMode::SingleNodeSingleWriter,
+        Mode::Rox => CsiMode::MultiNodeReaderOnly,
+    };
+    csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode.into() }),
+        access_type: Some(if block {
+            csi::volume_capability::AccessType::Block(csi::volume_capability::BlockVolume {})
+        } else {
+            csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume::default())
+        }),
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let node_client = || async { anyhow::Ok(NodeClient::new(channel(&args.node).await?)) };
+    let controller_client =
+        || async { anyhow::Ok(ControllerClient::new(channel(&args.controller).await?)) };
+    let out = match args.command {
+        Command::Info => {
+            let info = node_client()
+                .await?
+                .node_get_info(csi::NodeGetInfoRequest {})
+                .await?
+                .into_inner();
+            json!({"node_id": info.node_id})
+        }
+        Command::Create {
+            name,
+            size,
+            block,
+            mode,
+        } => {
+            let v = controller_client()
+                .await?
+                .create_volume(csi::CreateVolumeRequest {
+                    name,
+                    capacity_range: Some(csi::CapacityRange {
+                        required_bytes: size,
+                        limit_bytes: 0,
+                    }),
+                    volume_capabilities: vec![capability(block, mode)],
+                    ..Default::default()
+                })
+                .await?
+                .into_inner()
+                .volume
+                .context("CreateVolume returned no volume")?;
+            json!({"volume_id": v.volume_id, "capacity_bytes": v.capacity_bytes, "volume_context": v.volume_context})
+        }
+        Command::Attach {
+            name,
+            staging,
+            target,
+            block,
+            readonly,
+            mode,
+        } => {
+            let mut node = node_client().await?;
+            let node_id = node
+                .node_get_info(csi::NodeGetInfoRequest {})
+                .await?
+                .into_inner()
+                .node_id;
+            let cap = capability(block, mode);
+            let ctx = controller_client()
+                .await?
+                .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                    volume_id: name.clone(),
+                    node_id,
+                    volume_capability: Some(cap.clone()),
+                    readonly,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner()
+                .publish_context;
+            node.node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: name.clone(),
+                publish_context: ctx.clone(),
+                staging_target_path: staging.display().to_string(),
+                volume_capability: Some(cap.clone()),
+                ..Default::default()
+            })
+            .await?;
+            if let Some(target) = &target {
+                node.node_publish_volume(csi::NodePublishVolumeRequest {
+                    volume_id: name.clone(),
+                    publish_context: ctx.clone(),
+                    staging_target_path: staging.display().to_string(),
+                    target_path: target.display().to_string(),
+                    volume_capability: Some(cap),
+                    readonly,
+                    ..Default::default()
+                })
+                .await?;
+            }
+            json!({"volume_id": name, "publish_context": ctx, "staging": staging, "target": target})
+        }
+        Command::Detach {
+            name,
+            staging,
+            target,
+        } => {
+            let mut node = node_client().await?;
+            let node_id = node
+                .node_get_info(csi::NodeGetInfoRequest {})
+                .await?
+                .into_inner()
+                .node_id;
+            if let Some(target) = &target {
+                node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                    volume_id: name.clone(),
+                    target_path: target.display().to_string(),
+                })
+                .await?;
+            }
+            node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: name.clone(),
+                staging_target_path: staging.display().to_string(),
+            })
+            .await?;
+            controller_client()
+                .await?
+                .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+                    volume_id: name.clone(),
+                    node_id,
+                    secrets: HashMap::new(),
+                })
+                .await?;
+            json!({"volume_id": name, "detached": true})
+        }
+        Command::Expand {
+            name,
+            size,
+            path,
+            staging,
+        } => {
+            let grown = controller_client()
+                .await?
+                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+                    volume_id: name.clone(),
+                    capacity_range: Some(csi::CapacityRange {
+                        required_bytes: size,
+                        limit_bytes: 0,
+                    }),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let node = if grown.node_expansion_required {
+                Some(
+                    node_client()
+                        .await?
+                        .node_expand_volume(csi::NodeExpandVolumeRequest {
+                            volume_id: name.clone(),
+                            volume_path: path.display().to_string(),
+                            capacity_range: Some(csi::CapacityRange {
+                                required_bytes: size,
+                                limit_bytes: 0,
+                            }),
+                            staging_target_path: staging.display().to_string(),
+                            ..Default::default()
+                        })
+                        .await?
+                        .into_inner()
+                        .capacity_bytes,
+                )
+            } else {
+                None
+            };
+            json!({"volume_id": name, "controller_capacity_bytes": grown.capacity_bytes, "node_capacity_bytes": node})
+        }
+        Command::Stats { name, path } => {
+            let s = node_client()
+                .await?
+                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                    volume_id: name.clone(),
+                    volume_path: path.display().to_string(),
+                    staging_target_path: String::new(),
+                })
+                .await?
+                .into_inner();
+            let usage: Vec<_> = s
+                .usage
+                .iter()
+                .map(|u| json!({"unit": u.unit().as_str_name(), "total": u.total, "used": u.used, "available": u.available}))
+                .collect();
+            let condition = s
+                .volume_condition
+                .map(|c| json!({"abnormal": c.abnormal, "message": c.message}));
+            json!({"volume_id": name, "usage": usage, "condition": condition})
+        }
+        Command::Delete { name } => {
+            controller_client()
+                .await?
+                .delete_volume(csi::DeleteVolumeRequest {
+                    volume_id: name.clone(),
+                    secrets: HashMap::new(),
+                })
+                .await?;
+            json!({"volume_id": name, "deleted": true})
+        }
+        Command::Device { name } => {
+            let nqn = pillar_nvmet::VolumeId::parse(&name)?.subsystem_nqn();
+            let devices =
+                pillar_host::sysfs::namespaces_for(&pillar_host::HostPaths::system(), &nqn)
+                    .context("reading NVMe sysfs")?;
+            let paths: Vec<_> = devices
+                .iter()
+                .map(|d| d.dev_path.display().to_string())
+                .collect();
+            json!({"volume_id": name, "nqn": nqn.to_string(), "devices": paths})
+        }
+    };
+    println!("{out}");
+    Ok(())
+}
