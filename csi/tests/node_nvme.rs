@@ -173,6 +173,27 @@ async fn nvme_volume_lifecycle_and_disconnect_only_this_subsystem() {
             .unwrap()
             .abnormal
     );
+    // The host dropped the namespace (after `identifiers changed`) while the controller stays
+    // live: the condition must say so.
+    let disk = f.paths().sys.join("block/nvme0n1");
+    let parked = root.path().join("parked-nvme0n1");
+    fs::rename(&disk, &parked).unwrap();
+    let c = h
+        .stats(vol, &target)
+        .await
+        .unwrap()
+        .volume_condition
+        .unwrap();
+    assert!(c.abnormal && c.message.contains("gone"), "{c:?}");
+    fs::rename(&parked, &disk).unwrap();
+    assert!(
+        !h.stats(vol, &target)
+            .await
+            .unwrap()
+            .volume_condition
+            .unwrap()
+            .abnormal
+    );
 
     let before = h.stats(vol, &target).await.unwrap().usage[0].total;
     lo.grow(2 * SIZE);

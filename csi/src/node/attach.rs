@@ -250,6 +250,40 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether the staged namespace is still there with the volume's identity. A live
+    /// controller is not enough: after `identifiers changed` the host removes the namespace and
+    /// keeps the controller.
+    fn namespace_health(&self, record: &StageRecord) -> Result<(), String> {
+        let devices = pillar_host::sysfs::namespaces_for_host(
+            &self.cfg.paths,
+            &record.nqn,
+            Some(&self.cfg.host_nqn),
+        )
+        .map_err(|e| format!("cannot read the namespaces of {}: {e}", record.nqn))?;
+        let expected = NamespaceIdentity::derive(&record.nqn, NamespaceId::VOLUME);
+        let staged = match record.device.as_deref() {
+            // The record holds the disk name (`nvme0n1`); accept a path too.
+            Some(dev) => devices
+                .iter()
+                .find(|d| d.name == dev || d.dev_path.as_os_str() == dev),
+            None => devices.first(),
+        };
+        let Some(device) = staged else {
+            return Err(format!(
+                "the namespace of {} staged as {} is gone from this host (removed after \
+                 `identifiers changed` or a namespace removal); I/O on it fails",
+                record.nqn,
+                record.device.as_deref().unwrap_or("(no device)")
+            ));
+        };
+        pillar_host::sysfs::verify_identity(device, &expected).map_err(|e| {
+            format!(
+                "the namespace {} no longer has the volume's identity: {e}",
+                device.dev_path.display()
+            )
+        })
+    }
+
     /// The volume's health: abnormal when no controller of this host for its subsystem is live
     /// (NVMe), or when the local device is gone.
     pub(crate) fn condition(&self, record: &StageRecord) -> Condition {
@@ -263,10 +297,15 @@ impl Engine {
                     "cannot read the controller state: {}",
                     super::error::describe(&e)
                 )),
-                Ok(ctrls) if ctrls.iter().any(|c| c.state == ControllerState::Live) => Condition {
-                    abnormal: false,
-                    message: format!("connected: {}", describe_states(&ctrls)),
-                },
+                Ok(ctrls) if ctrls.iter().any(|c| c.state == ControllerState::Live) => {
+                    match self.namespace_health(record) {
+                        Ok(()) => Condition {
+                            abnormal: false,
+                            message: format!("connected: {}", describe_states(&ctrls)),
+                        },
+                        Err(message) => abnormal(message),
+                    }
+                }
                 Ok(ctrls) => abnormal(format!(
                     "no live NVMe/TCP controller of subsystem {} for this host ({}); I/O waits \
                      for a reconnect or fails",
