@@ -125,7 +125,7 @@ resolve_image() {
   local pkg=linux-image-amd64 dep
   apt_opts "$1"
   while dep=$(apt-cache "${APT_OPTS[@]}" depends "$pkg" 2>/dev/null |
-    awk '$1 == "Depends:" && $2 ~ /^linux-image-/ { print $2; exit }') && [[ -n $dep ]]; do
+    awk '!found && $1 == "Depends:" && $2 ~ /^linux-image-/ { print $2; found = 1 }') && [[ -n $dep ]]; do
     pkg=$dep
   done
   [[ $pkg != linux-image-amd64 ]] || return 1
@@ -145,7 +145,9 @@ kernel_parts() {
 
 candidate_version() {  # candidate_version CONTEXT PKG
   apt_opts "$1"
-  apt-cache "${APT_OPTS[@]}" policy "$2" 2>/dev/null | awk '$1 == "Candidate:" { print $2; exit }'
+  # awk reads to the end: an early exit would kill apt-cache with SIGPIPE, and with pipefail
+  # the whole pipeline (and setup.sh, under set -e) fails with status 141.
+  apt-cache "${APT_OPTS[@]}" policy "$2" 2>/dev/null | awk '!found && $1 == "Candidate:" { print $2; found = 1 }'
 }
 
 # deb_file PKG VERSION -> path of the downloaded .deb (apt encodes ':' in versions as %3a)

@@ -119,7 +119,10 @@ impl AgentService {
             Ok(v) => Ok(Response::new(v)),
             Err(e) => {
                 let _entered = span.enter();
-                if matches!(code, Code::Internal | Code::DataLoss | Code::Unavailable) {
+                // The resync refusal is the expected answer after every start: not an error.
+                let expected = matches!(e, AgentError::WaitingForResync);
+                if !expected && matches!(code, Code::Internal | Code::DataLoss | Code::Unavailable)
+                {
                     tracing::error!(code = ?code, "{}", describe(&e));
                 } else {
                     tracing::info!(code = ?code, "{}", describe(&e));

@@ -445,7 +445,10 @@ impl Inner {
                 "loop device still bound to an unlinked earlier file of this volume"
             );
         }
-        let attached = loopdev::attach(file, path, self.direct_io).map_err(loop_err)?;
+        // Some kernels accept direct I/O for a file whose filesystem cannot do O_DIRECT (6.1 on
+        // overlayfs over tmpfs) and then fail every read; ask only when a direct read works.
+        let direct = self.direct_io && loopdev::supports_direct_io(path);
+        let attached = loopdev::attach(file, path, direct).map_err(loop_err)?;
         tracing::info!(
             device = attached.index,
             direct_io = attached.direct_io,
