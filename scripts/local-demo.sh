@@ -7,5 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-$(mktemp -d -t pillar-local.XXXXXX)}
-cargo build --release --locked -p pillar-csi --bin pillar-csi
-exec ./target/release/pillar-csi local --dir "$dir" --demo
+# The workspace test build builds every binary too, with the features the tests use: one build
+# serves this demo, scripts/test.sh and the kernel lane.
+cargo test --locked --workspace --no-run --quiet
+exec ./target/debug/pillar-csi local --dir "$dir" --demo

@@ -47,12 +47,17 @@ fi
 
 # ---------------------------------------------------------------- 2. binaries
 t=$EPOCHREALTIME
-log "cargo build (profile $PROFILE): pillar-agent, and the kernel_lane test (which builds pillar-csi)"
-cargo build --locked --profile "$PROFILE" -p pillar-agent --bin pillar-agent
-# The test build also builds the package's binary (pillar-csi) next to pillar-agent.
-cargo test --locked --profile "$PROFILE" -p pillar-csi --test kernel_lane --no-run
-TEST_BIN=$(cargo test --locked --profile "$PROFILE" -p pillar-csi --test kernel_lane --no-run --message-format=json 2>/dev/null |
-  jq -r 'select(.reason == "compiler-artifact" and .target.name == "kernel_lane" and .executable != null) | .executable' | tail -n 1)
+# The same command as the workspace test build (scripts/test.sh), so after the tests everything
+# is already built: the test builds also build pillar-agent and pillar-csi, with the same
+# features (a `-p` build would resolve features differently and rebuild the dependencies).
+log "cargo test --workspace --no-run (profile $PROFILE): the kernel_lane test, pillar-agent, pillar-csi"
+cargo test --locked --workspace --profile "$PROFILE" --no-run
+TEST_BIN=$(cargo test --locked --workspace --profile "$PROFILE" --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kernel_lane" and m.get("executable"):
+        print(m["executable"])' | tail -n 1)
 [[ -n $TEST_BIN && -x $TEST_BIN ]] || die "cannot find the kernel_lane test binary"
 BIN_DIR=$(dirname "$(dirname "$TEST_BIN")")
 export PILLAR_AGENT_BIN=$BIN_DIR/pillar-agent PILLAR_CSI_BIN=$BIN_DIR/pillar-csi
