@@ -91,7 +91,7 @@ cleanup() {
   fi
   local left
   left=$(find /sys/kernel/config/nvmet/subsystems -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
-  say "after teardown: nvmet subsystems left: $left, NVMe controllers left: $(find /sys/class/nvme -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)"
+  say "after teardown: nvmet subsystems left: $left, nvmet ports left: $(find /sys/kernel/config/nvmet/ports -mindepth 1 -maxdepth 1 2>/dev/null | wc -l), NVMe controllers left: $(find /sys/class/nvme -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)"
   cp "$PDIR/pillar.log" "$OUT_DIR/pillar.log" 2>/dev/null
   dmesg >"$OUT_DIR/dmesg.txt" 2>/dev/null
 }
