@@ -235,6 +235,8 @@ fn capabilities(
     Ok(first)
 }
 
+/// Whether `id` is a volume ID pillar issues: a pillar `VolumeId` that is also a valid
+/// Kubernetes object name (the PillarVolumeState is named after it).
 fn volume_name(id: &str) -> Result<VolumeId, ControllerError> {
     if id.is_empty() {
         return Err(ControllerError::InvalidArgument(
@@ -246,6 +248,30 @@ fn volume_name(id: &str) -> Result<VolumeId, ControllerError> {
     pillar_state::store::validate_name("PillarVolumeState", id)
         .map_err(|e| ControllerError::InvalidArgument(e.to_string()))?;
     Ok(volume)
+}
+
+/// The volume ID for a CreateVolume `name`. CSI allows any Unicode name but a few control
+/// characters; Kubernetes sends `pvc-<uuid>`. A name that already is a valid ID is kept, so IDs
+/// stay readable; any other name maps to `pillar-` + the first 128 bits of its SHA-256 in hex.
+/// The map is a function of the name, so retries of one name find the same volume.
+pub fn volume_id_for_name(name: &str) -> Result<VolumeId, ControllerError> {
+    if name.is_empty() {
+        return Err(ControllerError::InvalidArgument("name is required".into()));
+    }
+    let banned = |c: char| matches!(c, '\u{0}'..='\u{8}' | '\u{b}' | '\u{c}' | '\u{e}'..='\u{1f}' | '\u{7f}'..='\u{9f}');
+    if name.chars().any(banned) {
+        return Err(ControllerError::InvalidArgument(
+            "name contains a control character CSI does not allow".into(),
+        ));
+    }
+    if let Ok(volume) = volume_name(name) {
+        return Ok(volume);
+    }
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(name.as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    VolumeId::parse(&format!("pillar-{hex}"))
+        .map_err(|e| ControllerError::InvalidArgument(e.to_string()))
 }
 
 fn agent_err<'a>(
@@ -497,7 +523,7 @@ impl Controller {
         &self,
         req: csi::CreateVolumeRequest,
     ) -> Result<csi::CreateVolumeResponse, ControllerError> {
-        let volume = volume_name(&req.name)?;
+        let volume = volume_id_for_name(&req.name)?;
         let (mode, volume_mode) = capabilities(&req.volume_capabilities)?;
         if req.volume_content_source.is_some() {
             return Err(ControllerError::InvalidArgument(

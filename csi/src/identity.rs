@@ -7,11 +7,11 @@ use crate::csi;
 /// The CSI driver name (`spec.driver` of PersistentVolumes, the CSIDriver object's name).
 pub const DRIVER_NAME: &str = "pillar.csi.io";
 
-/// Which services this process serves, for GetPluginCapabilities.
-#[derive(Debug, Clone, Copy)]
-pub struct IdentityService {
-    pub controller: bool,
-}
+/// The Identity service. Every instance reports the capabilities of the plugin as a whole,
+/// whichever services it serves itself (CSI: GetPluginCapabilities is the same for all instances
+/// of one version), so the node plugin's socket also reports the controller service.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IdentityService;
 
 #[tonic::async_trait]
 impl csi::identity_server::Identity for IdentityService {
@@ -31,18 +31,18 @@ impl csi::identity_server::Identity for IdentityService {
         _: Request<csi::GetPluginCapabilitiesRequest>,
     ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
         use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
-        let mut capabilities = vec![csi::PluginCapability {
-            r#type: Some(Type::VolumeExpansion(VolumeExpansion {
-                r#type: volume_expansion::Type::Online.into(),
-            })),
-        }];
-        if self.controller {
-            capabilities.push(csi::PluginCapability {
+        let capabilities = vec![
+            csi::PluginCapability {
+                r#type: Some(Type::VolumeExpansion(VolumeExpansion {
+                    r#type: volume_expansion::Type::Online.into(),
+                })),
+            },
+            csi::PluginCapability {
                 r#type: Some(Type::Service(Service {
                     r#type: service::Type::ControllerService.into(),
                 })),
-            });
-        }
+            },
+        ];
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
             capabilities,
         }))

@@ -201,7 +201,7 @@ pub async fn start(
     tokio::spawn(async move {
         let r = serve::<NodeService>(
             &controller_socket,
-            IdentityService { controller: true },
+            IdentityService,
             Some(ControllerService::new(controller)),
             None,
             controller_stop,
@@ -231,15 +231,7 @@ pub async fn start(
     let node_socket = sockets.node.clone();
     let node_stop = stop(shutdown.clone());
     tokio::spawn(async move {
-        if let Err(e) = serve(
-            &node_socket,
-            IdentityService { controller: false },
-            None,
-            Some(node),
-            node_stop,
-        )
-        .await
-        {
+        if let Err(e) = serve(&node_socket, IdentityService, None, Some(node), node_stop).await {
             tracing::error!(error = ?e, "node plugin stopped");
         }
     });

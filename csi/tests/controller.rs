@@ -413,7 +413,7 @@ async fn codes_for_unknown_volumes_nodes_and_bad_input() {
         c.create_volume(bigger).await.unwrap_err().code(),
         Code::AlreadyExists
     );
-    for bad in ["", "../x", "UPPER"] {
+    for bad in ["", "bell\u{7}"] {
         assert_eq!(
             c.create_volume(create(bad, Mode::SingleNodeWriter))
                 .await
@@ -422,6 +422,26 @@ async fn codes_for_unknown_volumes_nodes_and_bad_input() {
             Code::InvalidArgument,
             "{bad:?}"
         );
+    }
+    // Any other CSI name is accepted: one that is not a valid ID gets a derived one, the same
+    // on every retry.
+    for odd in ["../x", "Sanity-Volume-7510CB3E", &"n".repeat(128)] {
+        let a = c
+            .create_volume(create(odd, Mode::SingleNodeWriter))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        let b = c
+            .create_volume(create(odd, Mode::SingleNodeWriter))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        assert_eq!(a.volume_id, b.volume_id, "{odd:?}");
+        c.delete_volume(delete(&a.volume_id)).await.unwrap();
     }
 
     // GetCapacity with empty parameters works (a public driver got this wrong).

@@ -395,4 +395,32 @@ async fn stats_and_expand_invalid_arguments_and_not_found() {
     // NodeExpandVolume and NodeGetVolumeStats on an unknown volume).
     assert_code(h.stats("pvc-1", &h.work).await, Code::NotFound);
     assert_code(h.expand("pvc-1", &h.work, 0).await, Code::NotFound);
+    // A relative path names no mount of this host: NOT_FOUND, as csi-sanity expects for a
+    // volume that is not at the given path.
+    assert_code(
+        h.stats("pvc-1", Path::new("some/path")).await,
+        Code::NotFound,
+    );
+    assert_code(
+        h.expand("pvc-1", Path::new("some/path"), 0).await,
+        Code::NotFound,
+    );
+}
+
+// Every instance reports the plugin's capabilities as a whole (CSI GetPluginCapabilities), so
+// the node plugin's socket also names the controller service.
+#[tokio::test]
+async fn the_node_socket_reports_the_whole_plugin() {
+    use pillar_csi::csi::identity_server::Identity as _;
+    let caps = pillar_csi::identity::IdentityService
+        .get_plugin_capabilities(tonic::Request::new(csi::GetPluginCapabilitiesRequest {}))
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities;
+    let controller = caps.iter().any(|c| {
+        matches!(&c.r#type, Some(csi::plugin_capability::Type::Service(s))
+            if s.r#type == i32::from(csi::plugin_capability::service::Type::ControllerService))
+    });
+    assert!(controller, "{caps:?}");
 }

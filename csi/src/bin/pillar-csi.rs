@@ -140,7 +140,7 @@ async fn main() -> anyhow::Result<()> {
             controller.spawn_resync_loop(Duration::from_secs(resync_interval_secs));
             serve::<NodeService>(
                 &socket_path(&endpoint),
-                IdentityService { controller: true },
+                IdentityService,
                 Some(ControllerService::new(controller)),
                 None,
                 until_signal(),
@@ -169,7 +169,7 @@ async fn main() -> anyhow::Result<()> {
             .context("node plugin")?;
             serve(
                 &socket_path(&endpoint),
-                IdentityService { controller: false },
+                IdentityService,
                 None,
                 Some(node),
                 until_signal(),

@@ -276,7 +276,7 @@ impl Node for NodeService {
         let span = tracing::debug_span!("NodeGetVolumeStats", volume_id = %req.volume_id);
         let result = async {
             let volume = request::volume_id(&req.volume_id)?;
-            let path = request::path("volume_path", &req.volume_path)?;
+            let path = request::published_path("volume_path", &req.volume_path)?;
             // Read-only: no lock, so the periodic stats never make a stage wait or abort.
             let u = self
                 .blocking(tracing::Span::current(), move |e| e.stats(&volume, &path))
@@ -312,7 +312,7 @@ impl Node for NodeService {
         let span = tracing::info_span!("NodeExpandVolume", volume_id = %req.volume_id);
         let result = async {
             let volume = request::volume_id(&req.volume_id)?;
-            let path = request::path("volume_path", &req.volume_path)?;
+            let path = request::published_path("volume_path", &req.volume_path)?;
             let required = req.capacity_range.map_or(0, |r| r.required_bytes);
             let required = u64::try_from(required).map_err(|_| NodeError::InvalidField {
                 field: "capacity_range.required_bytes",

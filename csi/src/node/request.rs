@@ -42,6 +42,22 @@ pub(crate) fn path(field: &'static str, value: &str) -> Result<PathBuf, NodeErro
     Ok(p.to_path_buf())
 }
 
+/// The path a published volume is reached at, for calls that report on it (stats, expand): a
+/// path that is not absolute cannot name a mount of this host, so it is reported as not found
+/// (the CSI spec's code when the volume is not at `volume_path`), after the empty check.
+pub(crate) fn published_path(field: &'static str, value: &str) -> Result<PathBuf, NodeError> {
+    if value.is_empty() {
+        return Err(NodeError::MissingField(field));
+    }
+    let p = Path::new(value);
+    if !p.is_absolute() {
+        return Err(NodeError::VolumePathMissing {
+            path: p.to_path_buf(),
+        });
+    }
+    Ok(p.to_path_buf())
+}
+
 /// How the workload sees the volume.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Access {
