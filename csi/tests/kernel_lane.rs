@@ -2747,7 +2747,8 @@ fn vgs(vg: &str) -> (u64, u64, u64) {
     (n("vg_extent_size"), n("vg_size"), n("vg_free"))
 }
 
-/// What a thin pool of `total` bytes with `data_percent` (e.g. "1.23") uses, rounded up.
+/// The most a thin pool of `total` bytes with `data_percent` (e.g. "1.23", rounded by LVM to
+/// the nearest 0.01 %) can use: half a unit more, rounded up, capped at the whole.
 fn percent_used(total: u64, percent: &str) -> u64 {
     let (int, frac) = percent.split_once('.').unwrap_or((percent, ""));
     let scale = 10u128.pow(u32::try_from(frac.len()).unwrap());
@@ -2757,7 +2758,8 @@ fn percent_used(total: u64, percent: &str) -> u64 {
         frac.parse().expect("data_percent")
     };
     let scaled = int.parse::<u128>().expect("data_percent") * scale + frac;
-    u64::try_from((u128::from(total) * scaled).div_ceil(100 * scale)).unwrap()
+    let used = (u128::from(total) * (2 * scaled + 1)).div_ceil(200 * scale);
+    u64::try_from(used.min(u128::from(total))).unwrap()
 }
 
 /// `major:minor` of a device node.

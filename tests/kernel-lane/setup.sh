@@ -18,7 +18,9 @@ LOG_TAG=setup
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils)
+# lvm2 and thin-provisioning-tools (thin_check, run by LVM when it activates a thin pool): the
+# LVM backend's scenario (s8) runs the host's lvm binaries in the guest.
+HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils lvm2 thin-provisioning-tools)
 DEBS_DIR=$LANE_STATE/debs
 SID_DIR=$LANE_STATE/apt-sid
 SID_LISTS_MAX_AGE_H=${SID_LISTS_MAX_AGE_H:-24}

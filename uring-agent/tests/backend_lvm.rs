@@ -422,7 +422,8 @@ async fn thin_capacity_is_the_unused_part_of_the_thin_pool() {
     );
     let cap = f.backend.capacity().await.unwrap();
     assert_eq!(cap.total_bytes, 33_554_432);
-    assert_eq!(cap.available_bytes, 33_554_432 - 4_194_304);
+    // 12.50 % may stand for up to 12.505 %: the free space counts that half unit as used.
+    assert_eq!(cap.available_bytes, 33_554_432 - 4_195_982);
     f.done();
 
     // An inactive thin pool reports no data_percent: an error, not a guess.

@@ -10,6 +10,10 @@
 # - nvme_core is loaded with multipath=N first, so every controller gets its own block device
 #   (two host identities in one guest see two devices; scenario 5).
 # - configfs, nvmet, nvmet-tcp, nvme-tcp, loop, ext4, xfs; configfs mounted; lo up.
+# - dm-mod and dm-thin-pool for the LVM scenario (s8; the host's lvm binaries run in the guest).
+#   There is no udevd in the guest: DM_DISABLE_UDEV=1 (inherited by the test binary, the agent
+#   and its lvm commands) makes libdevmapper and LVM create /dev/mapper/* and /dev/<vg>/<lv>
+#   themselves. Without it lvcreate fails ("/dev/<vg>/<lv>: not found: device not cleared").
 # - /etc/nvme/hostnqn and /etc/nvme/hostid are written into the guest's tmpfs overlay (the host's
 #   own files, if any, are never touched: / is the host's, read-only, under a tmpfs overlay).
 # - The scenarios' work directory ($PILLAR_LANE_DIR, default /tmp/pillar-lane) is in guest RAM:
@@ -35,6 +39,8 @@ else
 fi
 modprobe -a configfs nvmet nvmet-tcp nvme-tcp nvme-fabrics loop ext4 xfs || { say "modprobe failed"; exit 2; }
 say "modules loaded; nvme_core multipath=$(cat /sys/module/nvme_core/parameters/multipath)"
+# Only scenario 8 needs device-mapper: a kernel without it fails that scenario, not the others.
+modprobe -a dm-mod dm-thin-pool || say "WARNING: modprobe dm-mod dm-thin-pool failed: the LVM scenario will fail"
 
 mountpoint -q /sys/kernel/config || mount -t configfs configfs /sys/kernel/config || { say "mount configfs failed"; exit 2; }
 [[ -d /sys/kernel/config/nvmet ]] || { say "no /sys/kernel/config/nvmet"; exit 2; }
@@ -48,6 +54,7 @@ printf '%s\n' "$HOSTID" >/etc/nvme/hostid
 printf 'nqn.2014-08.org.nvmexpress:uuid:%s\n' "$HOSTID" >/etc/nvme/hostnqn
 
 export PILLAR_KERNEL_LANE=1
+export DM_DISABLE_UDEV=1
 export PILLAR_LANE_DIR=${PILLAR_LANE_DIR:-/tmp/pillar-lane}
 export RUST_BACKTRACE=${RUST_BACKTRACE:-1}
 # A tmpfs of its own, not the overlay on /: a loop device over an overlayfs file accepts direct
