@@ -26,7 +26,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard, RwLock};
 
 use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
 use crate::engine::Engine;
-use crate::fence::{Intent, MarkError, MarkStore, Rejection, Token, decide};
+use crate::fence::{Decision, Intent, MarkError, MarkStore, Rejection, Token, decide};
 use crate::metrics::Metrics;
 use crate::target::{IdentityRecord, Target, TargetError, spec_from_observed};
 
@@ -246,27 +246,40 @@ impl Agent {
         lock.lock_owned().await
     }
 
-    /// Checks the token under the volume lock and makes the new mark durable. Must be called
-    /// with the volume lock held; the change follows while the lock is still held.
+    /// Checks the token against the volume's mark, without writing anything. Must be called
+    /// with the volume lock held, and the decision committed under the same lock.
+    fn check(
+        &self,
+        volume: &VolumeId,
+        token: Option<&Token>,
+        intent: Intent,
+    ) -> Result<Decision, AgentError> {
+        let mark = self.marks.read(volume)?;
+        decide(volume, mark.as_ref(), token, intent).map_err(|rejection| {
+            self.metrics.fence_rejected(rejection.reason());
+            tracing::warn!(%volume, reason = rejection.reason(), "fencing rejected a request: {rejection}");
+            rejection.into()
+        })
+    }
+
+    /// Makes the mark a [`check`](Self::check) decided durable, before the change runs.
+    async fn commit(&self, volume: &VolumeId, decision: Decision) -> Result<(), AgentError> {
+        if let Some(next) = decision {
+            self.marks.write(&self.engine, volume, &next).await?;
+        }
+        Ok(())
+    }
+
+    /// [`check`](Self::check) then [`commit`](Self::commit), for operations with nothing to
+    /// inspect in between.
     async fn fence(
         &self,
         volume: &VolumeId,
         token: Option<&Token>,
         intent: Intent,
     ) -> Result<(), AgentError> {
-        let mark = self.marks.read(volume)?;
-        match decide(volume, mark.as_ref(), token, intent) {
-            Ok(Some(next)) => {
-                self.marks.write(&self.engine, volume, &next).await?;
-                Ok(())
-            }
-            Ok(None) => Ok(()),
-            Err(rejection) => {
-                self.metrics.fence_rejected(rejection.reason());
-                tracing::warn!(%volume, reason = rejection.reason(), "fencing rejected a request: {rejection}");
-                Err(rejection.into())
-            }
-        }
+        let decision = self.check(volume, token, intent)?;
+        self.commit(volume, decision).await
     }
 
     /// Creates the volume's backing device (idempotent).
@@ -329,12 +342,7 @@ impl Agent {
         let backend = self.pool(pool)?;
         let _lock = self.lock_volume(&volume).await;
         // Reject stale requests before revealing anything about the volume.
-        decide(
-            &volume,
-            self.marks.read(&volume)?.as_ref(),
-            token.as_ref(),
-            Intent::Delete,
-        )?;
+        let decision = self.check(&volume, token.as_ref(), Intent::Delete)?;
         {
             let guard = self.target.lock().await;
             if self
@@ -349,7 +357,7 @@ impl Agent {
                 });
             }
         }
-        self.fence(&volume, token.as_ref(), Intent::Delete).await?;
+        self.commit(&volume, decision).await?;
         Ok(backend.delete(&volume).await?)
     }
 
@@ -380,12 +388,7 @@ impl Agent {
             .collect::<Result<BTreeSet<_>, _>>()?;
         let backend = self.pool(&request.pool)?;
         let _lock = self.lock_volume(&volume).await;
-        decide(
-            &volume,
-            self.marks.read(&volume)?.as_ref(),
-            request.token.as_ref(),
-            intent,
-        )?;
+        let decision = self.check(&volume, request.token.as_ref(), intent)?;
         let info = backend
             .lookup(&volume)
             .await?
@@ -418,7 +421,7 @@ impl Agent {
             tracing::warn!(%volume, ?plan.adoptions, "live export has a non-derived identity; keeping and recording it");
             self.target.record_identity(&volume, &record).await?;
         }
-        self.fence(&volume, request.token.as_ref(), intent).await?;
+        self.commit(&volume, decision).await?;
         let ops = if self.settings.kernel_random_identity {
             strip_identity(plan.ops)
         } else {
@@ -497,26 +500,21 @@ impl Agent {
         let volume = volume_id(volume)?;
         let host = host_nqn(host)?;
         let _lock = self.lock_volume(&volume).await;
-        decide(
-            &volume,
-            self.marks.read(&volume)?.as_ref(),
-            token.as_ref(),
-            intent,
-        )?;
+        let decision = self.check(&volume, token.as_ref(), intent)?;
         let nqn = volume.subsystem_nqn();
         let guard = self.target.lock().await;
         let state = self.target.observe(&guard).await?;
         let Some(mut spec) = spec_from_observed(&state, &nqn) else {
             if intent == Intent::Revoke {
                 // Nothing exported: nobody can reach the volume through this node.
-                self.fence(&volume, token.as_ref(), intent).await?;
+                self.commit(&volume, decision).await?;
                 return Ok(());
             }
             return Err(AgentError::NotExported {
                 volume: volume.to_string(),
             });
         };
-        self.fence(&volume, token.as_ref(), intent).await?;
+        self.commit(&volume, decision).await?;
         let HostAccess::Only(hosts) = &mut spec.access else {
             // acl: false. Any host may connect; the controller's publication record is the only
             // guard, and cutting connections would not keep anyone out.
