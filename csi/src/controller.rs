@@ -17,7 +17,6 @@
 //!   overwritten.
 
 use std::collections::{BTreeMap, HashMap};
-use std::error::Error as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -143,14 +142,7 @@ pub fn code_of(err: &ControllerError) -> Code {
 }
 
 fn describe(err: &ControllerError) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
+    crate::error_chain(err)
 }
 
 fn to_status(err: &ControllerError) -> Status {

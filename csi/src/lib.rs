@@ -18,3 +18,16 @@ pub mod local;
 pub mod node;
 pub mod node_id;
 pub mod serve;
+
+/// An error and its chain of causes on one line, `outer: cause: root cause`, for gRPC status
+/// messages and logs.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

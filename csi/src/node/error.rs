@@ -342,14 +342,7 @@ pub fn code_of(err: &NodeError) -> Code {
 
 /// The error with its chain of causes, as one line.
 pub fn describe(err: &NodeError) -> String {
-    let mut text = err.to_string();
-    let mut source = std::error::Error::source(err);
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
+    crate::error_chain(err)
 }
 
 impl From<NodeError> for tonic::Status {
