@@ -284,8 +284,11 @@ fn token(uid: &str, generation: u64) -> Option<agent_api::FencingToken> {
     })
 }
 
-fn single_node(mode: AccessMode) -> bool {
-    !mode.is_multi_node()
+/// Whether a publication may coexist with publications on other nodes: only read-only access
+/// with a multi-node mode (ROX, or a read-only MULTI_NODE_SINGLE_WRITER) is shared.
+fn shareable(p: &PublishedNode) -> bool {
+    p.access_mode.is_multi_node()
+        && (p.readonly || p.access_mode == AccessMode::MultiNodeReaderOnly)
 }
 
 impl Controller {
@@ -804,12 +807,7 @@ impl Controller {
                                 node: p.node.clone(),
                             });
                         }
-                    } else if single_node(p.access_mode)
-                        || single_node(wanted.access_mode)
-                        || !(p.readonly || p.access_mode == AccessMode::MultiNodeReaderOnly)
-                        || !(wanted.readonly
-                            || wanted.access_mode == AccessMode::MultiNodeReaderOnly)
-                    {
+                    } else if !(shareable(p) && shareable(&wanted)) {
                         return Err(ControllerError::PublishedElsewhere {
                             volume: name.clone(),
                             node: p.node.clone(),
