@@ -9,7 +9,8 @@ use std::fs::OpenOptions;
 use std::io::{self, Write as _};
 use std::path::{Path, PathBuf};
 
-use crate::model::{ExportSpec, HostAccess, TargetState};
+use crate::model::{ExportSpec, HostAccess, SubsystemState, TargetState};
+use crate::names::SubsystemNqn;
 use crate::plan::Op;
 
 /// Something that can perform one configfs operation.
@@ -142,32 +143,7 @@ pub fn verify(observed: &TargetState, spec: &ExportSpec) -> Result<(), VerifyErr
         spec.serial.to_string(),
         sub.serial.clone(),
     );
-    match &spec.access {
-        HostAccess::AnyHost => {
-            diff(
-                "attr_allow_any_host".into(),
-                "1".into(),
-                u8::from(sub.allow_any_host).to_string(),
-            );
-            diff(
-                "allowed_hosts".into(),
-                String::new(),
-                join(sub.allowed_hosts.iter().map(String::as_str)),
-            );
-        }
-        HostAccess::Only(hosts) => {
-            diff(
-                "attr_allow_any_host".into(),
-                "0".into(),
-                u8::from(sub.allow_any_host).to_string(),
-            );
-            diff(
-                "allowed_hosts".into(),
-                join(hosts.iter().map(|h| h.as_str())),
-                join(sub.allowed_hosts.iter().map(String::as_str)),
-            );
-        }
-    }
+    diff_access(sub, &spec.access, &mut diff);
     for (nsid, want) in &spec.namespaces {
         let Some(ns) = sub.namespaces.get(nsid) else {
             diff(
@@ -250,6 +226,72 @@ pub fn verify(observed: &TargetState, spec: &ExportSpec) -> Result<(), VerifyErr
             nqn: nqn.to_owned(),
             mismatches: out,
         })
+    }
+}
+
+/// Compares only the ACL of `nqn` with `access`: what an ACL change must leave behind.
+pub fn verify_acl(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    access: &HostAccess,
+) -> Result<(), VerifyError> {
+    let mut out = Vec::new();
+    match observed.subsystem(nqn) {
+        None => out.push(Mismatch {
+            what: "subsystem".into(),
+            expected: "present".into(),
+            found: "absent".into(),
+        }),
+        Some(sub) => diff_access(sub, access, &mut |what, expected, found| {
+            if expected != found {
+                out.push(Mismatch {
+                    what,
+                    expected,
+                    found,
+                });
+            }
+        }),
+    }
+    if out.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyError {
+            nqn: nqn.to_string(),
+            mismatches: out,
+        })
+    }
+}
+
+fn diff_access(
+    sub: &SubsystemState,
+    access: &HostAccess,
+    diff: &mut dyn FnMut(String, String, String),
+) {
+    match access {
+        HostAccess::AnyHost => {
+            diff(
+                "attr_allow_any_host".into(),
+                "1".into(),
+                u8::from(sub.allow_any_host).to_string(),
+            );
+            diff(
+                "allowed_hosts".into(),
+                String::new(),
+                join(sub.allowed_hosts.iter().map(String::as_str)),
+            );
+        }
+        HostAccess::Only(hosts) => {
+            diff(
+                "attr_allow_any_host".into(),
+                "0".into(),
+                u8::from(sub.allow_any_host).to_string(),
+            );
+            diff(
+                "allowed_hosts".into(),
+                join(hosts.iter().map(|h| h.as_str())),
+                join(sub.allowed_hosts.iter().map(String::as_str)),
+            );
+        }
     }
 }
 

@@ -19,7 +19,9 @@ pub mod names;
 pub mod plan;
 
 pub use double::ConfigfsDouble;
-pub use exec::{ApplyError, Executor, KernelExecutor, Mismatch, VerifyError, apply, verify};
+pub use exec::{
+    ApplyError, Executor, KernelExecutor, Mismatch, VerifyError, apply, verify, verify_acl,
+};
 pub use identity::{IdentityError, NamespaceIdentity, Nguid, Serial, derive_serial};
 pub use model::{
     ExportSpec, HostAccess, NamespaceSpec, NamespaceState, ObserveError, PortSpec, PortState,
@@ -27,8 +29,8 @@ pub use model::{
 };
 pub use names::{HostNqn, NameError, NamespaceId, Nqn, PortId, SubsystemNqn, VolumeId};
 pub use plan::{
-    Adoption, ExportPlan, Op, PlanError, plan_cut_connections, plan_export, plan_revalidate,
-    plan_unexport,
+    Adoption, ExportPlan, Op, PlanError, plan_acl, plan_cut_connections, plan_export,
+    plan_revalidate, plan_unexport,
 };
 
 /// Where the kernel mounts the nvmet configfs tree.

@@ -293,21 +293,70 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
             push_port_cleanup(observed, *port, nqn, &mut ops);
         }
     }
-    // Hosts this plan unlinked and nobody else references.
-    for host in &current.allowed_hosts {
+    push_host_cleanup(
+        observed,
+        nqn,
+        &current.allowed_hosts,
+        &spec.access,
+        &mut ops,
+    );
+    Ok(ExportPlan {
+        ops,
+        adoptions,
+        effective,
+    })
+}
+
+/// Plans a change of the ACL of the live subsystem `nqn` to `access`, and nothing else.
+///
+/// The operations touch only the subsystem's `attr_allow_any_host` and `allowed_hosts/`, and
+/// host entries under `hosts/`: whatever the namespaces, serial or ports hold (a kernel-random
+/// identity, a zero NGUID, a port pillar did not expect), an ACL change cannot disable, remove
+/// or rewrite them.
+pub fn plan_acl(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    access: &HostAccess,
+) -> Result<Vec<Op>, PlanError> {
+    if !nqn.is_pillar() {
+        return Err(PlanError::ForeignSubsystem {
+            nqn: nqn.to_string(),
+        });
+    }
+    let current = observed
+        .subsystem(nqn)
+        .ok_or_else(|| PlanError::NoSubsystem {
+            nqn: nqn.to_string(),
+        })?;
+    let name = nqn.as_str();
+    let mut ops = plan_access(
+        observed,
+        name,
+        current.allow_any_host,
+        &current.allowed_hosts,
+        access,
+    );
+    push_host_cleanup(observed, name, &current.allowed_hosts, access, &mut ops);
+    Ok(ops)
+}
+
+/// Removes the host entries that `nqn` stops referencing and no other subsystem references.
+fn push_host_cleanup(
+    observed: &TargetState,
+    nqn: &str,
+    linked: &BTreeSet<String>,
+    access: &HostAccess,
+    ops: &mut Vec<Op>,
+) {
+    for host in linked {
         let still_wanted =
-            matches!(&spec.access, HostAccess::Only(h) if h.iter().any(|x| x.as_str() == host));
+            matches!(access, HostAccess::Only(h) if h.iter().any(|x| x.as_str() == host));
         if !still_wanted && !observed.host_referenced_elsewhere(host, nqn) {
             ops.push(Op::Rmdir {
                 path: Path::new(HOSTS).join(host),
             });
         }
     }
-    Ok(ExportPlan {
-        ops,
-        adoptions,
-        effective,
-    })
 }
 
 fn plan_access(

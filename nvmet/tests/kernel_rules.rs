@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use common::{Fixture, export, host, only, tcp_port};
 use pillar_nvmet::{
     Adoption, ConfigfsDouble, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PlanError,
-    apply, plan_export, plan_revalidate, plan_unexport, verify,
+    SubsystemNqn, apply, plan_acl, plan_export, plan_revalidate, plan_unexport, verify, verify_acl,
 };
 
 fn errno_of(r: std::io::Result<()>) -> i32 {
@@ -316,6 +316,78 @@ fn planner_changes_acl_mode_in_the_legal_order_both_ways() {
     assert_eq!(
         f.state().hosts.into_iter().collect::<Vec<_>>(),
         vec![host(1).to_string()]
+    );
+}
+
+// proves W6, I3: an ACL change touches only the ACL, whatever identity the namespace shows.
+#[test]
+fn acl_changes_leave_a_kernel_random_namespace_enabled_and_untouched() {
+    let mut f = Fixture::new();
+    // What nvmet leaves when nobody writes identity: the double, like the kernel, gives the
+    // namespace a random UUID and an all-zero NGUID on mkdir.
+    enabled_namespace(&mut f);
+    let port_ops = [
+        mkdir("ports/1"),
+        write("ports/1/addr_trtype", "tcp"),
+        write("ports/1/addr_adrfam", "ipv4"),
+        write("ports/1/addr_traddr", "127.0.0.1"),
+        write("ports/1/addr_trsvcid", "4420"),
+        link(S, "ports/1/subsystems/nqn.2026-11.io.pillar-csi:vol:v1"),
+    ];
+    for op in &port_ops {
+        f.double.execute(op).unwrap();
+    }
+    let nqn = SubsystemNqn::parse("nqn.2026-11.io.pillar-csi:vol:v1").unwrap();
+    let before = f.state();
+    let ns_before = before.subsystem(&nqn).unwrap().namespaces[&NamespaceId::VOLUME].clone();
+    assert!(ns_before.enabled);
+    assert!(
+        ns_before.nguid.unwrap().is_zero(),
+        "the double leaves a zero NGUID"
+    );
+    assert!(
+        ns_before.identity().is_none(),
+        "no usable identity to rebuild a spec from"
+    );
+
+    for access in [
+        only(&[1]),
+        only(&[1, 2]),
+        only(&[2]),
+        HostAccess::AnyHost,
+        only(&[]),
+    ] {
+        let ops = plan_acl(&f.state(), &nqn, &access).unwrap();
+        for op in &ops {
+            let p = op.path();
+            let acl_only = p.starts_with("hosts")
+                || p.starts_with(format!("{S}/allowed_hosts"))
+                || p == Path::new(&format!("{S}/attr_allow_any_host"));
+            assert!(acl_only, "{op} is not an ACL operation");
+        }
+        apply(&mut f.double, &ops).unwrap_or_else(|e| panic!("{access:?}: {e}"));
+        verify_acl(&f.state(), &nqn, &access).unwrap();
+        assert!(plan_acl(&f.state(), &nqn, &access).unwrap().is_empty());
+        let after = f.state();
+        let sub = after.subsystem(&nqn).unwrap();
+        assert_eq!(
+            sub.namespaces[&NamespaceId::VOLUME],
+            ns_before,
+            "namespace touched"
+        );
+        assert_eq!(sub.serial, before.subsystem(&nqn).unwrap().serial);
+        assert_eq!(after.ports, before.ports, "ports touched");
+    }
+    // An ACL change needs a live subsystem; it never creates one.
+    assert_eq!(
+        plan_acl(
+            &f.state(),
+            &SubsystemNqn::parse("nqn.2026-11.io.pillar-csi:vol:absent").unwrap(),
+            &only(&[1])
+        ),
+        Err(PlanError::NoSubsystem {
+            nqn: "nqn.2026-11.io.pillar-csi:vol:absent".into()
+        })
     );
 }
 
