@@ -1,50 +1,69 @@
-//! The gRPC edge: request parsing, the one place errors become `tonic::Status` (the code table
-//! below), per-RPC metrics and tracing spans carrying the volume ID.
+//! The gRPC edge: request parsing, the one place errors become `tonic::Status`, per-RPC metrics
+//! and tracing spans carrying the volume ID.
+//!
+//! Every request is parsed here into typed values (volume IDs, host NQNs, ports, sizes) before
+//! the service sees it; a malformed field is INVALID_ARGUMENT naming the field. Every error
+//! leaves as a status with an `ErrorReason` (the contract in the proto, see
+//! `pillar_agent_api::error_status`): [`reason_of`] is the table from agent errors to reasons,
+//! and the reason fixes the gRPC code.
 
+use std::collections::BTreeSet;
 use std::error::Error as _;
+use std::num::NonZeroU16;
 use std::sync::Arc;
 use std::time::Instant;
 
 use pillar_agent_api::v1 as api;
+use pillar_agent_api::{ErrorReason, code_of, error_status};
+use pillar_nvmet::{HostNqn, VolumeId};
 use tonic::{Code, Request, Response, Status};
 use tracing::Instrument;
 
 use crate::backend::BackendError;
-use crate::fence::{MarkError, Token};
+use crate::fence::{MarkError, Rejection, Token};
 use crate::metrics::Metrics;
-use crate::service::{Agent, AgentError, ExportRequest, Protocol, Readiness};
+use crate::service::{Agent, AgentError, ExportRequest, Protocol, Readiness, VolumeSize};
 use crate::target::TargetError;
 
-/// The gRPC code of every agent error. Changing a row changes the controller's behaviour.
-pub fn code_of(err: &AgentError) -> Code {
+/// The reason of every agent error. Changing a row changes the controller's behaviour.
+pub fn reason_of(err: &AgentError) -> ErrorReason {
+    use ErrorReason as R;
     match err {
-        AgentError::InvalidArgument { .. } => Code::InvalidArgument,
-        AgentError::UnknownPool { .. } | AgentError::VolumeNotFound { .. } => Code::NotFound,
-        AgentError::Fenced(_) => Code::FailedPrecondition,
-        AgentError::Mark(MarkError::Corrupt { .. }) => Code::DataLoss,
-        AgentError::Mark(MarkError::Unreadable { .. } | MarkError::Write { .. }) => Code::Internal,
-        AgentError::WaitingForResync => Code::Unavailable,
-        AgentError::NotExported { .. }
-        | AgentError::StillExported { .. }
-        | AgentError::Plan { .. } => Code::FailedPrecondition,
+        AgentError::InvalidArgument { .. } => R::InvalidRequest,
+        AgentError::UnknownPool { .. } => R::UnknownPool,
+        AgentError::VolumeNotFound { .. } => R::VolumeNotFound,
+        AgentError::Fenced(rejection) => match rejection {
+            Rejection::NoToken => R::NoToken,
+            Rejection::StaleGeneration { .. } => R::StaleGeneration,
+            Rejection::ForeignOwner { .. } => R::ForeignOwner,
+            Rejection::Retired { .. } => R::RetiredLifecycle,
+            Rejection::Ended { .. } => R::EndedLifecycle,
+        },
+        AgentError::Mark(MarkError::Corrupt { .. }) => R::MarkCorrupt,
+        AgentError::Mark(MarkError::Unreadable { .. } | MarkError::Write { .. }) => R::MarkIo,
+        AgentError::WaitingForResync => R::WaitingForResync,
+        AgentError::NotExported { .. } => R::NotExported,
+        AgentError::StillExported { .. } => R::StillExported,
+        AgentError::Plan { .. } | AgentError::ForeignAclEntry { .. } => R::NoSafePlan,
         AgentError::Backend(b) => match b {
             BackendError::InvalidSize { .. } | BackendError::UnsupportedName { .. } => {
-                Code::InvalidArgument
+                R::UnsupportedByBackend
             }
             BackendError::SizeUnsupported { .. } | BackendError::ShrinkRefused { .. } => {
-                Code::OutOfRange
+                R::SizeOutOfRange
             }
-            BackendError::SizeMismatch { .. } => Code::AlreadyExists,
-            BackendError::NotFound { .. } => Code::NotFound,
+            BackendError::SizeMismatch { .. } => R::SizeMismatch,
+            BackendError::NotFound { .. } => R::VolumeNotFound,
             BackendError::NotOwned { .. }
             | BackendError::Busy { .. }
             | BackendError::InvalidConfig { .. }
-            | BackendError::PoolMissing { .. } => Code::FailedPrecondition,
-            _ => Code::Internal,
+            | BackendError::PoolMissing { .. } => R::BackendRefused,
+            _ => R::BackendFailed,
         },
-        AgentError::Target(TargetError::NoNvmet { .. }) => Code::Unavailable,
-        AgentError::Target(TargetError::CorruptIdentityRecord { .. }) => Code::DataLoss,
-        AgentError::Target(_) | AgentError::Verify(_) => Code::Internal,
+        AgentError::Target(TargetError::NoNvmet { .. }) => R::NoNvmet,
+        AgentError::Target(TargetError::CorruptIdentityRecord { .. }) => R::IdentityRecordCorrupt,
+        AgentError::Target(_) => R::TargetFailed,
+        AgentError::Verify(_) => R::ReadBackMismatch,
     }
 }
 
@@ -61,7 +80,14 @@ fn describe(err: &AgentError) -> String {
 }
 
 fn status(err: &AgentError) -> Status {
-    Status::new(code_of(err), describe(err))
+    error_status(reason_of(err), describe(err))
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> AgentError {
+    AgentError::InvalidArgument {
+        field,
+        reason: reason.into(),
+    }
 }
 
 fn token(t: Option<api::FencingToken>) -> Option<Token> {
@@ -71,22 +97,66 @@ fn token(t: Option<api::FencingToken>) -> Option<Token> {
     })
 }
 
+fn volume_id(raw: &str) -> Result<VolumeId, AgentError> {
+    VolumeId::parse(raw).map_err(|e| invalid("volume_id", e.to_string()))
+}
+
+fn host_nqn(field: &'static str, raw: &str) -> Result<HostNqn, AgentError> {
+    HostNqn::parse(raw).map_err(|e| invalid(field, e.to_string()))
+}
+
+fn size(raw: u64) -> Result<VolumeSize, AgentError> {
+    VolumeSize::new(raw).ok_or_else(|| {
+        invalid(
+            "size_bytes",
+            format!(
+                "{raw} is not between 1 and {}",
+                crate::backend::MAX_VOLUME_BYTES
+            ),
+        )
+    })
+}
+
+fn protocol(raw: Option<api::ExportProtocol>) -> Result<Protocol, AgentError> {
+    let raw = raw.ok_or_else(|| invalid("protocol", "is required"))?;
+    let service = u16::try_from(raw.service)
+        .ok()
+        .and_then(NonZeroU16::new)
+        .ok_or_else(|| {
+            invalid(
+                "protocol.service",
+                format!("{} is not a TCP port (1-65535)", raw.service),
+            )
+        })?;
+    Ok(Protocol {
+        service,
+        acl: raw.acl,
+    })
+}
+
 fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
-    let protocol = r.protocol.unwrap_or_default();
-    let service = u16::try_from(protocol.service).map_err(|_| AgentError::InvalidArgument {
-        field: "protocol.service",
-        reason: format!("{} is not a TCP port", protocol.service),
-    })?;
     Ok(ExportRequest {
         token: token(r.token),
-        volume: r.volume_id,
+        volume: volume_id(&r.volume_id)?,
         pool: r.pool,
-        protocol: Protocol {
-            service,
-            acl: protocol.acl,
-        },
-        allowed_hosts: r.allowed_host_nqns,
+        protocol: protocol(r.protocol)?,
+        allowed_hosts: r
+            .allowed_host_nqns
+            .iter()
+            .map(|h| host_nqn("allowed_host_nqns", h))
+            .collect::<Result<BTreeSet<_>, _>>()?,
     })
+}
+
+fn failed_result(volume: String, err: &AgentError) -> api::resync_exports_response::Result {
+    let reason = reason_of(err);
+    api::resync_exports_response::Result {
+        volume_id: volume,
+        ok: false,
+        code: format!("{:?}", code_of(reason)),
+        message: describe(err),
+        reason: reason.into(),
+    }
 }
 
 /// The tonic service.
@@ -112,7 +182,9 @@ impl AgentService {
         let span = tracing::info_span!("rpc", method, volume_id = volume);
         let started = Instant::now();
         let result = work.instrument(span.clone()).await;
-        let code = result.as_ref().map_or_else(code_of, |_| Code::Ok);
+        let code = result
+            .as_ref()
+            .map_or_else(|e| code_of(reason_of(e)), |_| Code::Ok);
         self.metrics
             .rpc(method, code, started.elapsed().as_secs_f64());
         match result {
@@ -186,8 +258,10 @@ impl api::agent_server::Agent for AgentService {
         let r = r.into_inner();
         let agent = &self.agent;
         self.call("CreateVolume", &r.volume_id.clone(), async move {
+            let volume = volume_id(&r.volume_id)?;
+            let size = size(r.size_bytes)?;
             let info = agent
-                .create_volume(token(r.token), &r.volume_id, &r.pool, r.size_bytes)
+                .create_volume(token(r.token), &volume, &r.pool, size)
                 .await?;
             Ok(api::CreateVolumeResponse {
                 size_bytes: info.size_bytes,
@@ -203,8 +277,10 @@ impl api::agent_server::Agent for AgentService {
         let r = r.into_inner();
         let agent = &self.agent;
         self.call("ExpandVolume", &r.volume_id.clone(), async move {
+            let volume = volume_id(&r.volume_id)?;
+            let size = size(r.size_bytes)?;
             let info = agent
-                .expand_volume(token(r.token), &r.volume_id, &r.pool, r.size_bytes)
+                .expand_volume(token(r.token), &volume, &r.pool, size)
                 .await?;
             Ok(api::ExpandVolumeResponse {
                 size_bytes: info.size_bytes,
@@ -220,8 +296,9 @@ impl api::agent_server::Agent for AgentService {
         let r = r.into_inner();
         let agent = &self.agent;
         self.call("DeleteVolume", &r.volume_id.clone(), async move {
+            let volume = volume_id(&r.volume_id)?;
             agent
-                .delete_volume(token(r.token), &r.volume_id, &r.pool)
+                .delete_volume(token(r.token), &volume, &r.pool)
                 .await?;
             Ok(api::DeleteVolumeResponse {})
         })
@@ -253,7 +330,9 @@ impl api::agent_server::Agent for AgentService {
         let r = r.into_inner();
         let agent = &self.agent;
         self.call("Unexport", &r.volume_id.clone(), async move {
-            agent.unexport(token(r.token), &r.volume_id).await?;
+            agent
+                .unexport(token(r.token), &volume_id(&r.volume_id)?)
+                .await?;
             Ok(api::UnexportResponse {})
         })
         .await
@@ -266,9 +345,9 @@ impl api::agent_server::Agent for AgentService {
         let r = r.into_inner();
         let agent = &self.agent;
         self.call("GrantInitiator", &r.volume_id.clone(), async move {
-            agent
-                .grant(token(r.token), &r.volume_id, &r.host_nqn)
-                .await?;
+            let volume = volume_id(&r.volume_id)?;
+            let host = host_nqn("host_nqn", &r.host_nqn)?;
+            agent.grant(token(r.token), &volume, &host).await?;
             Ok(api::GrantInitiatorResponse {})
         })
         .await
@@ -281,9 +360,9 @@ impl api::agent_server::Agent for AgentService {
         let r = r.into_inner();
         let agent = &self.agent;
         self.call("RevokeInitiator", &r.volume_id.clone(), async move {
-            agent
-                .revoke(token(r.token), &r.volume_id, &r.host_nqn)
-                .await?;
+            let volume = volume_id(&r.volume_id)?;
+            let host = host_nqn("host_nqn", &r.host_nqn)?;
+            agent.revoke(token(r.token), &volume, &host).await?;
             Ok(api::RevokeInitiatorResponse {})
         })
         .await
@@ -302,28 +381,19 @@ impl api::agent_server::Agent for AgentService {
                 let volume = e.volume_id.clone();
                 match export_request(e) {
                     Ok(req) => requests.push(req),
-                    Err(err) => results.push(api::resync_exports_response::Result {
-                        volume_id: volume,
-                        ok: false,
-                        code: format!("{:?}", code_of(&err)),
-                        message: describe(&err),
-                    }),
+                    Err(err) => results.push(failed_result(volume, &err)),
                 }
             }
             let (outcomes, unlisted) = agent.resync(requests).await?;
             results.extend(outcomes.into_iter().map(|o| match o.result {
                 Ok(_) => api::resync_exports_response::Result {
-                    volume_id: o.volume,
+                    volume_id: o.volume.to_string(),
                     ok: true,
                     code: "Ok".into(),
                     message: String::new(),
+                    reason: ErrorReason::Unspecified.into(),
                 },
-                Err(err) => api::resync_exports_response::Result {
-                    volume_id: o.volume,
-                    ok: false,
-                    code: format!("{:?}", code_of(&err)),
-                    message: describe(&err),
-                },
+                Err(err) => failed_result(o.volume.to_string(), &err),
             }));
             Ok(api::ResyncExportsResponse {
                 results,

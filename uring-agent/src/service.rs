@@ -4,31 +4,36 @@
 //! - Every mutating operation takes the volume's lock, reads the fencing mark, decides, makes the
 //!   new mark durable, and applies the change, all before releasing the lock (F5, F7). A
 //!   rejected request changes nothing.
-//! - Input is validated before the lock is taken or anything is read: a malformed request gets
-//!   an error and changes nothing.
+//! - Requests arrive parsed: volume IDs, host NQNs, ports and sizes are typed values, checked at
+//!   the gRPC edge (`grpc`) before anything here runs, so a malformed request changes nothing.
 //! - After a start the agent is `WaitingForResync`: it creates no export and grants nothing until
 //!   the controller has sent the complete export state of this node (C3).
 //! - Exports use the derived identity (I1), or the recorded adopted one (I4); the identity is set
 //!   before enable and read back after every change (I2), and never changed on a live namespace
 //!   (I3, enforced by the planner).
+//! - A grant or revoke changes the ACL and nothing else (`plan_acl`): whatever the namespace
+//!   shows, an ACL change never disables, removes or rewrites it.
 //! - A revoke under `acl` removes the host from the ACL and then cuts the subsystem's live
 //!   connections, so the revoked host can no longer do I/O when the call returns (W7).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroU16;
 use std::sync::Arc;
 
+use pillar_lock_by_id::{IdGuard, LockById};
 use pillar_nvmet::{
     ExportSpec, HostAccess, HostNqn, NamespaceId, PortId, PortSpec, SubsystemNqn, VolumeId,
-    plan_cut_connections, plan_export, plan_revalidate, plan_unexport, verify, volume_export,
+    plan_acl, plan_cut_connections, plan_export, plan_revalidate, plan_unexport, verify,
+    verify_acl, volume_export,
 };
-use tokio::sync::{Mutex, OwnedMutexGuard, RwLock};
+use tokio::sync::RwLock;
 
 use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
 use crate::engine::Engine;
 use crate::fence::{Decision, Intent, MarkError, MarkStore, Rejection, Token, decide};
 use crate::metrics::Metrics;
-use crate::target::{IdentityRecord, Target, TargetError, spec_from_observed};
+use crate::target::{IdentityRecord, Target, TargetError};
 
 /// Why an agent operation failed. Mapped to gRPC codes once, in `grpc`.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +63,11 @@ pub enum AgentError {
         volume: String,
         source: pillar_nvmet::PlanError,
     },
+    #[error(
+        "allowed_hosts of {volume} holds {host:?}, which is not a host NQN pillar writes; refusing \
+         to change an ACL someone else edited"
+    )]
+    ForeignAclEntry { volume: String, host: String },
     #[error(transparent)]
     Target(#[from] TargetError),
     #[error("read-back after the change does not match")]
@@ -74,18 +84,36 @@ pub enum Readiness {
 /// How hosts reach an export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Protocol {
-    pub service: u16,
+    /// The TCP service hosts connect to; also the nvmet port ID.
+    pub service: NonZeroU16,
     pub acl: bool,
+}
+
+/// A volume size the backends accept: 1 byte to [`MAX_VOLUME_BYTES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VolumeSize(u64);
+
+impl VolumeSize {
+    /// `bytes` as a volume size, or `None` when it is 0 or above [`MAX_VOLUME_BYTES`].
+    pub fn new(bytes: u64) -> Option<Self> {
+        (bytes != 0 && bytes <= MAX_VOLUME_BYTES).then_some(Self(bytes))
+    }
+
+    /// The size in bytes.
+    pub fn bytes(self) -> u64 {
+        self.0
+    }
 }
 
 /// One export as the controller wants it.
 #[derive(Clone, Debug)]
 pub struct ExportRequest {
     pub token: Option<Token>,
-    pub volume: String,
+    pub volume: VolumeId,
     pub pool: String,
     pub protocol: Protocol,
-    pub allowed_hosts: Vec<String>,
+    /// With `acl`, the hosts admitted from the start.
+    pub allowed_hosts: BTreeSet<HostNqn>,
 }
 
 /// The result of an export.
@@ -99,7 +127,7 @@ pub struct Exported {
 /// One volume's outcome in a resync.
 #[derive(Debug)]
 pub struct ResyncOutcome {
-    pub volume: String,
+    pub volume: VolumeId,
     pub result: Result<Exported, AgentError>,
 }
 
@@ -131,7 +159,7 @@ pub struct Agent {
     marks: MarkStore,
     target: Target,
     pools: BTreeMap<String, Backend>,
-    locks: std::sync::Mutex<HashMap<VolumeId, Arc<Mutex<()>>>>,
+    locks: LockById<VolumeId>,
     readiness: RwLock<Readiness>,
     boot_id: String,
     settings: AgentSettings,
@@ -145,40 +173,6 @@ impl std::fmt::Debug for Agent {
             .field("target", &self.target)
             .finish_non_exhaustive()
     }
-}
-
-fn volume_id(raw: &str) -> Result<VolumeId, AgentError> {
-    VolumeId::parse(raw).map_err(|e| AgentError::InvalidArgument {
-        field: "volume_id",
-        reason: e.to_string(),
-    })
-}
-
-fn host_nqn(raw: &str) -> Result<HostNqn, AgentError> {
-    HostNqn::parse(raw).map_err(|e| AgentError::InvalidArgument {
-        field: "host_nqn",
-        reason: e.to_string(),
-    })
-}
-
-fn size(raw: u64) -> Result<u64, AgentError> {
-    if raw == 0 || raw > MAX_VOLUME_BYTES {
-        return Err(AgentError::InvalidArgument {
-            field: "size_bytes",
-            reason: format!("{raw} is not between 1 and {MAX_VOLUME_BYTES}"),
-        });
-    }
-    Ok(raw)
-}
-
-fn service(raw: u16) -> Result<u16, AgentError> {
-    if raw == 0 {
-        return Err(AgentError::InvalidArgument {
-            field: "protocol.service",
-            reason: "port 0 is not a TCP service".into(),
-        });
-    }
-    Ok(raw)
 }
 
 impl Agent {
@@ -196,7 +190,7 @@ impl Agent {
             marks,
             target,
             pools,
-            locks: std::sync::Mutex::new(HashMap::new()),
+            locks: LockById::new(),
             readiness: RwLock::new(Readiness::WaitingForResync),
             boot_id: uuid::Uuid::new_v4().to_string(),
             settings,
@@ -235,15 +229,8 @@ impl Agent {
         })
     }
 
-    async fn lock_volume(&self, volume: &VolumeId) -> OwnedMutexGuard<()> {
-        let lock = {
-            let mut locks = self
-                .locks
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            Arc::clone(locks.entry(volume.clone()).or_default())
-        };
-        lock.lock_owned().await
+    async fn lock_volume(&self, volume: &VolumeId) -> IdGuard<VolumeId> {
+        self.locks.lock(volume.clone()).await
     }
 
     /// Checks the token against the volume's mark, without writing anything. Must be called
@@ -286,32 +273,28 @@ impl Agent {
     pub async fn create_volume(
         &self,
         token: Option<Token>,
-        volume: &str,
+        volume: &VolumeId,
         pool: &str,
-        size_bytes: u64,
+        size: VolumeSize,
     ) -> Result<VolumeInfo, AgentError> {
-        let volume = volume_id(volume)?;
-        let size_bytes = size(size_bytes)?;
         let backend = self.pool(pool)?;
-        let _lock = self.lock_volume(&volume).await;
-        self.fence(&volume, token.as_ref(), Intent::Create).await?;
-        Ok(backend.create(&volume, size_bytes).await?)
+        let _lock = self.lock_volume(volume).await;
+        self.fence(volume, token.as_ref(), Intent::Create).await?;
+        Ok(backend.create(volume, size.bytes()).await?)
     }
 
     /// Grows the volume, and the live namespace if it is exported (`revalidate_size`).
     pub async fn expand_volume(
         &self,
         token: Option<Token>,
-        volume: &str,
+        volume: &VolumeId,
         pool: &str,
-        size_bytes: u64,
+        size: VolumeSize,
     ) -> Result<VolumeInfo, AgentError> {
-        let volume = volume_id(volume)?;
-        let size_bytes = size(size_bytes)?;
         let backend = self.pool(pool)?;
-        let _lock = self.lock_volume(&volume).await;
-        self.fence(&volume, token.as_ref(), Intent::Expand).await?;
-        let info = backend.expand(&volume, size_bytes).await?;
+        let _lock = self.lock_volume(volume).await;
+        self.fence(volume, token.as_ref(), Intent::Expand).await?;
+        let info = backend.expand(volume, size.bytes()).await?;
         let guard = self.target.lock().await;
         let state = self.target.observe(&guard).await?;
         let nqn = volume.subsystem_nqn();
@@ -335,14 +318,13 @@ impl Agent {
     pub async fn delete_volume(
         &self,
         token: Option<Token>,
-        volume: &str,
+        volume: &VolumeId,
         pool: &str,
     ) -> Result<(), AgentError> {
-        let volume = volume_id(volume)?;
         let backend = self.pool(pool)?;
-        let _lock = self.lock_volume(&volume).await;
+        let _lock = self.lock_volume(volume).await;
         // Reject stale requests before revealing anything about the volume.
-        let decision = self.check(&volume, token.as_ref(), Intent::Delete)?;
+        let decision = self.check(volume, token.as_ref(), Intent::Delete)?;
         {
             let guard = self.target.lock().await;
             if self
@@ -357,8 +339,8 @@ impl Agent {
                 });
             }
         }
-        self.commit(&volume, decision).await?;
-        Ok(backend.delete(&volume).await?)
+        self.commit(volume, decision).await?;
+        Ok(backend.delete(volume).await?)
     }
 
     async fn ensure_serving(&self) -> Result<(), AgentError> {
@@ -379,25 +361,20 @@ impl Agent {
         request: ExportRequest,
         intent: Intent,
     ) -> Result<Exported, AgentError> {
-        let volume = volume_id(&request.volume)?;
-        let service = service(request.protocol.service)?;
-        let hosts = request
-            .allowed_hosts
-            .iter()
-            .map(|h| host_nqn(h))
-            .collect::<Result<BTreeSet<_>, _>>()?;
+        let volume = &request.volume;
+        let service = request.protocol.service.get();
         let backend = self.pool(&request.pool)?;
-        let _lock = self.lock_volume(&volume).await;
-        let decision = self.check(&volume, request.token.as_ref(), intent)?;
+        let _lock = self.lock_volume(volume).await;
+        let decision = self.check(volume, request.token.as_ref(), intent)?;
         let info = backend
-            .lookup(&volume)
+            .lookup(volume)
             .await?
             .ok_or_else(|| AgentError::VolumeNotFound {
                 volume: volume.to_string(),
                 pool: request.pool.clone(),
             })?;
         let access = if request.protocol.acl {
-            HostAccess::Only(hosts)
+            HostAccess::Only(request.allowed_hosts.clone())
         } else {
             HostAccess::AnyHost
         };
@@ -405,8 +382,8 @@ impl Agent {
         let ports = [(PortId::new(service), PortSpec::tcp(address))]
             .into_iter()
             .collect();
-        let mut spec = volume_export(&volume, info.device_path, access, ports);
-        if let Some(record) = self.target.identity_record(&volume)? {
+        let mut spec = volume_export(volume, info.device_path, access, ports);
+        if let Some(record) = self.target.identity_record(volume)? {
             apply_record(&mut spec, &record);
         }
         let guard = self.target.lock().await;
@@ -419,9 +396,9 @@ impl Agent {
         if adopted {
             let record = record_of(&plan.effective);
             tracing::warn!(%volume, ?plan.adoptions, "live export has a non-derived identity; keeping and recording it");
-            self.target.record_identity(&volume, &record).await?;
+            self.target.record_identity(volume, &record).await?;
         }
-        self.commit(&volume, decision).await?;
+        self.commit(volume, decision).await?;
         let ops = if self.settings.kernel_random_identity {
             strip_identity(plan.ops)
         } else {
@@ -441,11 +418,13 @@ impl Agent {
     }
 
     /// Removes the export and everything only it used; forgets an adopted identity.
-    pub async fn unexport(&self, token: Option<Token>, volume: &str) -> Result<(), AgentError> {
-        let volume = volume_id(volume)?;
-        let _lock = self.lock_volume(&volume).await;
-        self.fence(&volume, token.as_ref(), Intent::Unexport)
-            .await?;
+    pub async fn unexport(
+        &self,
+        token: Option<Token>,
+        volume: &VolumeId,
+    ) -> Result<(), AgentError> {
+        let _lock = self.lock_volume(volume).await;
+        self.fence(volume, token.as_ref(), Intent::Unexport).await?;
         let nqn = volume.subsystem_nqn();
         let guard = self.target.lock().await;
         let state = self.target.observe(&guard).await?;
@@ -464,7 +443,7 @@ impl Agent {
                 }],
             }));
         }
-        self.target.forget_identity(&volume).await?;
+        self.target.forget_identity(volume).await?;
         tracing::info!(%volume, "unexported");
         Ok(())
     }
@@ -473,8 +452,8 @@ impl Agent {
     pub async fn grant(
         &self,
         token: Option<Token>,
-        volume: &str,
-        host: &str,
+        volume: &VolumeId,
+        host: &HostNqn,
     ) -> Result<(), AgentError> {
         self.ensure_serving().await?;
         self.change_acl(token, volume, host, Intent::Grant).await
@@ -484,8 +463,8 @@ impl Agent {
     pub async fn revoke(
         &self,
         token: Option<Token>,
-        volume: &str,
-        host: &str,
+        volume: &VolumeId,
+        host: &HostNqn,
     ) -> Result<(), AgentError> {
         self.change_acl(token, volume, host, Intent::Revoke).await
     }
@@ -493,53 +472,61 @@ impl Agent {
     async fn change_acl(
         &self,
         token: Option<Token>,
-        volume: &str,
-        host: &str,
+        volume: &VolumeId,
+        host: &HostNqn,
         intent: Intent,
     ) -> Result<(), AgentError> {
-        let volume = volume_id(volume)?;
-        let host = host_nqn(host)?;
-        let _lock = self.lock_volume(&volume).await;
-        let decision = self.check(&volume, token.as_ref(), intent)?;
+        let _lock = self.lock_volume(volume).await;
+        let decision = self.check(volume, token.as_ref(), intent)?;
         let nqn = volume.subsystem_nqn();
         let guard = self.target.lock().await;
         let state = self.target.observe(&guard).await?;
-        let Some(mut spec) = spec_from_observed(&state, &nqn) else {
+        let Some(sub) = state.subsystem(&nqn) else {
             if intent == Intent::Revoke {
                 // Nothing exported: nobody can reach the volume through this node.
-                self.commit(&volume, decision).await?;
+                self.commit(volume, decision).await?;
                 return Ok(());
             }
             return Err(AgentError::NotExported {
                 volume: volume.to_string(),
             });
         };
-        self.commit(&volume, decision).await?;
-        let HostAccess::Only(hosts) = &mut spec.access else {
+        if sub.allow_any_host {
             // acl: false. Any host may connect; the controller's publication record is the only
             // guard, and cutting connections would not keep anyone out.
+            self.commit(volume, decision).await?;
             return Ok(());
-        };
-        match intent {
-            Intent::Grant => {
-                hosts.insert(host.clone());
-            }
-            _ => {
-                hosts.remove(&host);
-            }
         }
-        let plan = plan_export(&state, &spec).map_err(|source| AgentError::Plan {
+        let mut hosts = sub
+            .allowed_hosts
+            .iter()
+            .map(|h| {
+                h.parse::<HostNqn>()
+                    .map_err(|_| AgentError::ForeignAclEntry {
+                        volume: volume.to_string(),
+                        host: h.clone(),
+                    })
+            })
+            .collect::<Result<BTreeSet<_>, _>>()?;
+        if intent == Intent::Grant {
+            hosts.insert(host.clone());
+        } else {
+            hosts.remove(host);
+        }
+        let access = HostAccess::Only(hosts);
+        let ops = plan_acl(&state, &nqn, &access).map_err(|source| AgentError::Plan {
             volume: volume.to_string(),
             source,
         })?;
-        self.target.apply(&guard, plan.ops).await?;
+        self.commit(volume, decision).await?;
+        self.target.apply(&guard, ops).await?;
         if intent == Intent::Revoke {
             // Removing the host from allowed_hosts stops new connections only; unlinking the
             // subsystem from its ports deletes its controllers, and only allowed hosts reconnect.
             let cut = plan_cut_connections(&self.target.observe(&guard).await?, &nqn);
             self.target.apply(&guard, cut).await?;
         }
-        verify(&self.target.observe(&guard).await?, &plan.effective)?;
+        verify_acl(&self.target.observe(&guard).await?, &nqn, &access)?;
         tracing::info!(%volume, %host, ?intent, "ACL changed");
         Ok(())
     }
@@ -549,13 +536,13 @@ impl Agent {
         &self,
         exports: Vec<ExportRequest>,
     ) -> Result<(Vec<ResyncOutcome>, Vec<String>), AgentError> {
-        let listed: BTreeSet<String> = exports.iter().map(|e| e.volume.clone()).collect();
+        let listed: BTreeSet<VolumeId> = exports.iter().map(|e| e.volume.clone()).collect();
         let mut outcomes = Vec::with_capacity(exports.len());
         for request in exports {
             let volume = request.volume.clone();
             let result = self.export_unchecked(request, Intent::Resync).await;
             if let Err(e) = &result {
-                tracing::warn!(volume, error = %e, "resync of one export failed");
+                tracing::warn!(%volume, error = %e, "resync of one export failed");
             }
             outcomes.push(ResyncOutcome { volume, result });
         }
@@ -566,8 +553,8 @@ impl Agent {
                 .subsystems
                 .keys()
                 .filter_map(|name| SubsystemNqn::parse(name).ok()?.volume_id().ok())
-                .map(|v| v.to_string())
                 .filter(|v| !listed.contains(v))
+                .map(|v| v.to_string())
                 .collect::<Vec<_>>()
         };
         *self.readiness.write().await = Readiness::Serving;

@@ -13,8 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pillar_nvmet::{
-    ConfigfsDouble, Executor, ExportSpec, HostAccess, NamespaceIdentity, NamespaceSpec, Nguid, Op,
-    PortId, PortSpec, Serial, SubsystemNqn, TargetState, VolumeId, observe,
+    ConfigfsDouble, Executor, NamespaceIdentity, Nguid, Op, Serial, TargetState, VolumeId, observe,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
@@ -259,50 +258,4 @@ impl IdentityRecord {
             nguid: Nguid::parse(&self.nguid).map_err(|e| e.to_string())?,
         })
     }
-}
-
-/// Rebuilds the export spec of a live subsystem from what configfs holds, so an ACL change can
-/// be planned without touching anything else.
-pub fn spec_from_observed(state: &TargetState, nqn: &SubsystemNqn) -> Option<ExportSpec> {
-    let sub = state.subsystem(nqn)?;
-    let serial = Serial::parse(&sub.serial).ok()?;
-    let namespaces = sub
-        .namespaces
-        .iter()
-        .filter_map(|(nsid, ns)| {
-            Some((
-                *nsid,
-                NamespaceSpec {
-                    device_path: ns.device_path.clone()?,
-                    identity: ns.identity()?,
-                },
-            ))
-        })
-        .collect();
-    let access = if sub.allow_any_host {
-        HostAccess::AnyHost
-    } else {
-        HostAccess::Only(
-            sub.allowed_hosts
-                .iter()
-                .filter_map(|h| h.parse().ok())
-                .collect(),
-        )
-    };
-    let ports = state
-        .ports_linking(nqn.as_str())
-        .filter_map(|id: PortId| {
-            let p = state.ports.get(&id)?;
-            let ip: std::net::IpAddr = p.traddr.parse().ok()?;
-            let service: u16 = p.trsvcid.parse().ok()?;
-            Some((id, PortSpec::tcp(std::net::SocketAddr::new(ip, service))))
-        })
-        .collect();
-    Some(ExportSpec {
-        nqn: nqn.clone(),
-        serial,
-        namespaces,
-        access,
-        ports,
-    })
 }

@@ -5,6 +5,7 @@
 mod support;
 
 use pillar_agent_api::v1 as api;
+use pillar_agent_api::{ErrorReason, reason_of};
 use pillar_nvmet::{NamespaceId, NamespaceIdentity, VolumeId, derive_serial, observe};
 use support::{Agent, ENGINES, MIB, code, create_req, export_req, host, snapshot, token};
 use tonic::Code;
@@ -57,6 +58,7 @@ async fn every_token_rule_is_enforced() {
         no_token.token = None;
         let status = c.create_volume(no_token).await.unwrap_err();
         assert_eq!(status.code(), Code::FailedPrecondition, "{engine:?}");
+        assert_eq!(reason_of(&status), ErrorReason::NoToken);
         assert!(
             status.message().contains("no fencing token"),
             "{}",
@@ -76,6 +78,7 @@ async fn every_token_rule_is_enforced() {
             .await
             .unwrap_err();
         assert_eq!(status.code(), Code::FailedPrecondition);
+        assert_eq!(reason_of(&status), ErrorReason::StaleGeneration);
         assert!(
             status
                 .message()
@@ -89,6 +92,7 @@ async fn every_token_rule_is_enforced() {
             .await
             .unwrap_err();
         assert_eq!(status.code(), Code::FailedPrecondition);
+        assert_eq!(reason_of(&status), ErrorReason::ForeignOwner);
         assert!(
             status.message().contains("owned by live lifecycle u1"),
             "{}",
@@ -109,6 +113,7 @@ async fn every_token_rule_is_enforced() {
                 .unwrap_err(),
         ] {
             assert_eq!(status.code(), Code::FailedPrecondition);
+            assert_eq!(reason_of(&status), ErrorReason::EndedLifecycle);
             assert!(
                 status.message().contains("has ended"),
                 "{}",
@@ -124,6 +129,7 @@ async fn every_token_rule_is_enforced() {
             .await
             .unwrap_err();
         assert_eq!(status.code(), Code::FailedPrecondition);
+        assert_eq!(reason_of(&status), ErrorReason::RetiredLifecycle);
         assert!(status.message().contains("retired"), "{}", status.message());
         c.delete_volume(delete("u2", 2, "vol-a")).await.unwrap();
     }
@@ -369,6 +375,111 @@ async fn a_live_foreign_identity_is_adopted_recorded_reproduced_and_forgotten() 
 
 // Malformed requests get INVALID_ARGUMENT (or NOT_FOUND for an unknown pool) and change nothing:
 // no mark, no backing file, no configfs entry.
+// proves W6, I3: a grant and a revoke on an export whose namespace shows what nvmet leaves
+// without explicit identity (random UUID, zero NGUID) change the ACL and nothing else: the
+// namespace stays enabled with the same identity, the serial and the port link stay.
+#[tokio::test]
+async fn acl_changes_leave_a_kernel_random_namespace_untouched() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        let c = &mut a.client;
+        c.create_volume(create_req("u1", 1, "vol-r", 16 * MIB))
+            .await
+            .unwrap();
+        let device = c
+            .list_volumes(api::ListVolumesRequest { pool: "p1".into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .volumes[0]
+            .device_path
+            .clone();
+        // An export made without identity writes, as a bare nvmet leaves it: the double, like
+        // the kernel, gives the namespace a random UUID and a zero NGUID at mkdir.
+        let root = a.dirs.configfs();
+        let s = format!("subsystems/{}", nqn("vol-r"));
+        let mut double = pillar_nvmet::ConfigfsDouble::create(&root).unwrap();
+        let ops = [
+            pillar_nvmet::Op::Mkdir {
+                path: s.clone().into(),
+            },
+            pillar_nvmet::Op::Mkdir {
+                path: format!("{s}/namespaces/1").into(),
+            },
+            pillar_nvmet::Op::Write {
+                path: format!("{s}/namespaces/1/device_path").into(),
+                value: device,
+            },
+            pillar_nvmet::Op::Write {
+                path: format!("{s}/namespaces/1/enable").into(),
+                value: "1".into(),
+            },
+            pillar_nvmet::Op::Mkdir {
+                path: "ports/4420".into(),
+            },
+            pillar_nvmet::Op::Write {
+                path: "ports/4420/addr_trtype".into(),
+                value: "tcp".into(),
+            },
+            pillar_nvmet::Op::Write {
+                path: "ports/4420/addr_adrfam".into(),
+                value: "ipv4".into(),
+            },
+            pillar_nvmet::Op::Write {
+                path: "ports/4420/addr_traddr".into(),
+                value: "127.0.0.1".into(),
+            },
+            pillar_nvmet::Op::Write {
+                path: "ports/4420/addr_trsvcid".into(),
+                value: "4420".into(),
+            },
+            pillar_nvmet::Op::Symlink {
+                target: s.clone().into(),
+                link: format!("ports/4420/subsystems/{}", nqn("vol-r")).into(),
+            },
+        ];
+        pillar_nvmet::apply(&mut double, &ops).unwrap();
+        let before = observe(&root).unwrap();
+        let sub_before = before.subsystems[&nqn("vol-r")].clone();
+        let ns_before = sub_before.namespaces[&NamespaceId::VOLUME].clone();
+        assert!(ns_before.nguid.unwrap().is_zero());
+
+        c.grant_initiator(grant("u1", 2, "vol-r", 1)).await.unwrap();
+        c.grant_initiator(grant("u1", 3, "vol-r", 2)).await.unwrap();
+        let granted = observe(&root).unwrap();
+        let sub = &granted.subsystems[&nqn("vol-r")];
+        assert_eq!(
+            sub.allowed_hosts.iter().cloned().collect::<Vec<_>>(),
+            vec![host(1), host(2)],
+            "{engine:?}"
+        );
+        assert_eq!(
+            sub.namespaces[&NamespaceId::VOLUME],
+            ns_before,
+            "{engine:?}"
+        );
+        assert_eq!(sub.serial, sub_before.serial);
+
+        c.revoke_initiator(revoke("u1", 4, "vol-r", 1))
+            .await
+            .unwrap();
+        let revoked = observe(&root).unwrap();
+        let sub = &revoked.subsystems[&nqn("vol-r")];
+        assert_eq!(
+            sub.allowed_hosts.iter().cloned().collect::<Vec<_>>(),
+            vec![host(2)]
+        );
+        assert_eq!(
+            sub.namespaces[&NamespaceId::VOLUME],
+            ns_before,
+            "{engine:?}"
+        );
+        assert_eq!(sub.serial, sub_before.serial);
+        assert_eq!(revoked.ports, before.ports, "the cut relinks the port");
+    }
+}
+
 #[tokio::test]
 async fn malformed_requests_change_nothing() {
     for engine in ENGINES {
@@ -399,10 +510,19 @@ async fn malformed_requests_change_nothing() {
                 "{volume:?} {size}: {}",
                 status.message()
             );
+            assert_eq!(reason_of(&status), ErrorReason::InvalidRequest);
         }
         let mut bad_pool = create_req("u1", 9, "ok", MIB);
         bad_pool.pool = "nope".into();
-        assert_eq!(code(c.create_volume(bad_pool).await), Code::NotFound);
+        let status = c.create_volume(bad_pool).await.unwrap_err();
+        assert_eq!(status.code(), Code::NotFound);
+        assert_eq!(reason_of(&status), ErrorReason::UnknownPool);
+        let mut no_port = export_req("u1", 9, "base", true, &[]);
+        no_port.protocol = Some(api::ExportProtocol {
+            service: 0,
+            acl: true,
+        });
+        assert_eq!(code(c.export(no_port).await), Code::InvalidArgument);
         let mut bad_host = grant("u1", 9, "base", 1);
         bad_host.host_nqn = "not-an-nqn".into();
         assert_eq!(
