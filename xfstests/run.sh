@@ -71,13 +71,13 @@ cd "$PROJECT_DIR"
 # ---------------------------------------------------------------- 1. pillar's binaries
 PROFILE=${XFSTESTS_PROFILE:-dev}
 t=$EPOCHREALTIME
-log "cargo test --workspace --no-run (profile $PROFILE): pillar-csi, pillarctl"
+log "cargo test --workspace --no-run (profile $PROFILE): pillar-local, pillarctl"
 cargo test --locked --workspace --profile "$PROFILE" --no-run --quiet
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps --locked | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 case $PROFILE in dev | test) PROFILE_DIR=debug ;; release | bench) PROFILE_DIR=release ;; *) PROFILE_DIR=$PROFILE ;; esac
-PILLAR_CSI=$TARGET_DIR/$PROFILE_DIR/pillar-csi
+PILLAR_LOCAL=$TARGET_DIR/$PROFILE_DIR/pillar-local
 PILLARCTL=$TARGET_DIR/$PROFILE_DIR/pillarctl
-for b in "$PILLAR_CSI" "$PILLARCTL"; do [[ -x $b ]] || die "missing $b after the build"; done
+for b in "$PILLAR_LOCAL" "$PILLARCTL"; do [[ -x $b ]] || die "missing $b after the build"; done
 T_BUILD=$(secs_since "$t")
 
 # ---------------------------------------------------------------- 2. the kernel
@@ -110,7 +110,7 @@ log "results: $OUT"
 t=$EPOCHREALTIME
 set +e
 VM_LOG=$CONSOLE "$LANE_DIR/vm.sh" "$KERNEL" "$LANE_DIR/guest/xfstests.sh" \
-  "$XFSTESTS_DIR" "$LIST_FILE" "$OUT" "$PILLAR_CSI" "$PILLARCTL" ${XFSTESTS_EXCLUDE:+"$XFSTESTS_EXCLUDE"}
+  "$XFSTESTS_DIR" "$LIST_FILE" "$OUT" "$PILLAR_LOCAL" "$PILLARCTL" ${XFSTESTS_EXCLUDE:+"$XFSTESTS_EXCLUDE"}
 vm_rc=$?
 set -e
 T_VM=$(secs_since "$t")

@@ -1,8 +1,5 @@
-//! `pillar-csi`: the CSI controller, the CSI node plugin, or the single-machine mode. Thin:
-//! parses flags and runs the library.
-
-// The single-machine mode reports its sockets and the main job's steps on stdout.
-#![allow(clippy::print_stdout)]
+//! `pillar-csi`: the CSI controller or the CSI node plugin. Thin: parses flags and runs the
+//! library. The single-machine mode is the `pillar-local` binary.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,11 +7,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use pillar_agent::server::EngineKind;
 use pillar_csi::agents::{Agents, ControllerTls};
 use pillar_csi::controller::{Controller, ControllerService};
 use pillar_csi::identity::IdentityService;
-use pillar_csi::local::{LocalConfig, start};
 use pillar_csi::node::{AttachMode, NodeConfig, NodeService};
 use pillar_csi::serve::{serve, socket_path};
 use pillar_host::HostPaths;
@@ -23,7 +18,7 @@ use pillar_state::store::StateStore;
 #[derive(Debug, Parser)]
 #[command(
     version,
-    about = "pillar CSI plugin: controller, node plugin, or everything on one machine"
+    about = "pillar CSI plugin: the controller or the node plugin"
 )]
 struct Args {
     #[command(subcommand)]
@@ -70,28 +65,6 @@ enum Mode {
         #[arg(long, default_value = "/etc/nvme/hostid")]
         hostid_file: PathBuf,
     },
-    /// Agent, controller and node plugin on this machine, without Kubernetes.
-    Local {
-        /// Working directory: sockets, state, pool files.
-        #[arg(long, default_value = "/var/lib/pillar/local")]
-        dir: PathBuf,
-        #[arg(long, value_enum, default_value = "io_uring")]
-        engine: EngineKind,
-        /// Use the configfs test double even where the kernel has nvmet.
-        #[arg(long)]
-        test_double: bool,
-        /// Run the main job once through the CSI sockets, then stop.
-        #[arg(long)]
-        demo: bool,
-    },
-}
-
-async fn until_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = async { if let Some(t) = term.as_mut() { t.recv().await; } else { std::future::pending::<()>().await } } => {}
-    }
 }
 
 fn read_trimmed(path: &PathBuf) -> anyhow::Result<String> {
@@ -103,14 +76,7 @@ fn read_trimmed(path: &PathBuf) -> anyhow::Result<String> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only on a terminal: logs collected by kubelet or CI stay plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    pillar_csi::init_tracing();
     match Args::parse().mode {
         Mode::Controller {
             endpoint,
@@ -145,7 +111,7 @@ async fn main() -> anyhow::Result<()> {
                 IdentityService,
                 Some(ControllerService::new(controller)),
                 None,
-                until_signal(),
+                pillar_csi::until_signal(),
             )
             .await
             .context("controller")
@@ -174,71 +140,10 @@ async fn main() -> anyhow::Result<()> {
                 IdentityService,
                 None,
                 Some(node),
-                until_signal(),
+                pillar_csi::until_signal(),
             )
             .await
             .context("node plugin")
-        }
-        Mode::Local {
-            dir,
-            engine,
-            test_double,
-            demo,
-        } => {
-            let (stop, stopped) = tokio::sync::watch::channel(false);
-            let sockets = start(
-                LocalConfig {
-                    dir: dir.clone(),
-                    engine,
-                    force_double: test_double,
-                },
-                stopped,
-            )
-            .await
-            .context("single-machine mode")?;
-            let engine_name = match engine {
-                EngineKind::Uring => "io_uring",
-                EngineKind::Sync => "sync",
-            };
-            println!("pillar single-machine mode (agent engine: {engine_name})");
-            if sockets.target == "kernel" {
-                println!(
-                    "  target:     Linux kernel nvmet (configfs); node attaches over NVMe/TCP on 127.0.0.1"
-                );
-            } else {
-                println!(
-                    "  target:     configfs TEST DOUBLE - this kernel has no nvmet/NVMe-TCP host (or --test-double);"
-                );
-                println!(
-                    "              no NVMe/TCP connection is made: the node plugin uses the local loop device"
-                );
-            }
-            println!("  agent:      unix://{}", sockets.agent.display());
-            println!("  controller: unix://{}", sockets.controller.display());
-            println!("  node:       unix://{}", sockets.node.display());
-            if demo {
-                println!(
-                    "main job: one volume through the CSI calls kubelet and the sidecars make"
-                );
-                let work = dir.join("demo");
-                let result = pillar_csi::demo::run(
-                    &sockets.controller,
-                    &sockets.node,
-                    &work,
-                    "demo-volume",
-                    64 << 20,
-                )
-                .await;
-                let _ = stop.send(true);
-                result.context("main job")?;
-                println!(
-                    "main job: OK (data written through the filesystem and read back with a matching SHA-256)"
-                );
-                return Ok(());
-            }
-            until_signal().await;
-            let _ = stop.send(true);
-            Ok(())
         }
     }
 }

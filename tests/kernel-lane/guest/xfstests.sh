@@ -6,7 +6,7 @@
 #
 # 1. modules (configfs nvmet nvmet-tcp nvme-tcp loop ext4 xfs), configfs, lo, /etc/nvme identity,
 #    the users some tests want (fsgqa, fsgqa2, 123456-fsgqa), all in the guest's RAM overlay
-# 2. `pillar-csi local --dir $XFS_PILLAR_DIR` (agent + controller + node plugin) on a tmpfs of its
+# 2. `pillar-local --dir $XFS_PILLAR_DIR` (agent + controller + node plugin) on a tmpfs of its
 #    own, so the volumes' backing files are sparse files in guest RAM
 # 3. through pillarctl: two block volumes created (CreateVolume), attached (ControllerPublish,
 #    NodeStage, NodePublish) over NVMe/TCP on 127.0.0.1; their /dev/nvmeXnY found by subsystem NQN
@@ -27,10 +27,10 @@
 #      PILLAR_ENGINE (io_uring; or sync).
 set -uo pipefail
 
-XFSTESTS_DIR=${1:?usage: xfstests.sh XFSTESTS_DIR LIST_FILE OUT_DIR PILLAR_CSI_BIN PILLARCTL_BIN [EXCLUDE_FILE]}
+XFSTESTS_DIR=${1:?usage: xfstests.sh XFSTESTS_DIR LIST_FILE OUT_DIR PILLAR_LOCAL_BIN PILLARCTL_BIN [EXCLUDE_FILE]}
 LIST_FILE=${2:?list file}
 OUT_DIR=${3:?output directory}
-PILLAR_CSI=${4:?pillar-csi binary}
+PILLAR_LOCAL=${4:?pillar-local binary}
 PILLARCTL=${5:?pillarctl binary}
 EXCLUDE_FILE=${6:-}
 
@@ -44,7 +44,7 @@ VOLUMES=(xfs-test xfs-scratch)
 say() { echo "[xfstests.sh +$(cut -d' ' -f1 /proc/uptime)s] $*"; }
 fatal() { say "HARNESS ERROR: $*"; cleanup; say "XFSTESTS-SUMMARY status=harness-error"; exit 2; }
 
-for f in "$PILLAR_CSI" "$PILLARCTL"; do [[ -x $f ]] || { say "missing binary $f"; exit 2; }; done
+for f in "$PILLAR_LOCAL" "$PILLARCTL"; do [[ -x $f ]] || { say "missing binary $f"; exit 2; }; done
 [[ -x $XFSTESTS_DIR/check && -x $XFSTESTS_DIR/ltp/fsstress ]] || { say "$XFSTESTS_DIR is not a built xfstests tree"; exit 2; }
 [[ -f $LIST_FILE ]] || { say "no list file $LIST_FILE"; exit 2; }
 mkdir -p "$OUT_DIR" || exit 2
@@ -127,17 +127,17 @@ mountpoint -q "$PDIR" || mount -t tmpfs -o "size=${XFS_PILLAR_TMPFS_SIZE:-75%},m
 mkdir -p "$PDIR/stage" "$PDIR/publish" "$WORK/test" "$WORK/scratch" "$WORK/results"
 
 # ---------------------------------------------------------------- 2. pillar
-RUST_LOG=${RUST_LOG:-info} "$PILLAR_CSI" local --dir "$PDIR" --engine "$ENGINE" >"$PDIR/pillar.log" 2>&1 &
+RUST_LOG=${RUST_LOG:-info} "$PILLAR_LOCAL" --dir "$PDIR" --engine "$ENGINE" >"$PDIR/pillar.log" 2>&1 &
 PILLAR_PID=$!
 for _ in $(seq 1 600); do
   grep -q '^  node: ' "$PDIR/pillar.log" 2>/dev/null && break
-  kill -0 "$PILLAR_PID" 2>/dev/null || { cat "$PDIR/pillar.log"; PILLAR_PID=; fatal "pillar-csi local exited"; }
+  kill -0 "$PILLAR_PID" 2>/dev/null || { cat "$PDIR/pillar.log"; PILLAR_PID=; fatal "pillar-local exited"; }
   sleep 0.1
 done
-grep -q '^  node: ' "$PDIR/pillar.log" || { tail -n 20 "$PDIR/pillar.log"; fatal "pillar-csi local did not come up in 60 s"; }
+grep -q '^  node: ' "$PDIR/pillar.log" || { tail -n 20 "$PDIR/pillar.log"; fatal "pillar-local did not come up in 60 s"; }
 grep -q 'target: *Linux kernel nvmet' "$PDIR/pillar.log" ||
-  { grep -i 'target' "$PDIR/pillar.log"; fatal "pillar-csi local is not on the kernel target (test double?)"; }
-say "pillar-csi local up (pid $PILLAR_PID, engine $ENGINE): $(grep -o 'target: .*' "$PDIR/pillar.log" | head -n 1)"
+  { grep -i 'target' "$PDIR/pillar.log"; fatal "pillar-local is not on the kernel target (test double?)"; }
+say "pillar-local up (pid $PILLAR_PID, engine $ENGINE): $(grep -o 'target: .*' "$PDIR/pillar.log" | head -n 1)"
 
 # ---------------------------------------------------------------- 3. volumes
 declare -A DEV

@@ -5,6 +5,9 @@
 //! loopback. On a kernel without them (containers, CI machines) it says so and runs the target
 //! on the configfs test double, with the node using the local loop device: that is named in
 //! every line it prints, never passed off as NVMe/TCP.
+//!
+//! This is the one crate that links the agent (`pillar-agent`) with the CSI plugin: the
+//! controller and node plugin themselves reach agents only through `pillar-agent-api`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,11 +23,13 @@ use pillar_state::EmbeddedStore;
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
 use pillar_state::store::StateStore;
 
-use crate::agents::Agents;
-use crate::controller::{Controller, ControllerService};
-use crate::identity::IdentityService;
-use crate::node::{AttachMode, NodeConfig, NodeService};
-use crate::serve::serve;
+use pillar_csi::agents::Agents;
+use pillar_csi::controller::{Controller, ControllerService};
+use pillar_csi::identity::IdentityService;
+use pillar_csi::node::{AttachMode, NodeConfig, NodeService};
+use pillar_csi::serve::serve;
+
+pub mod demo;
 
 /// Options of the single-machine mode.
 #[derive(Clone, Debug)]
@@ -57,7 +62,7 @@ pub enum LocalError {
     #[error("embedded store")]
     Store(#[from] pillar_state::StoreError),
     #[error("node plugin")]
-    Node(#[source] crate::node::NodeError),
+    Node(#[source] pillar_csi::node::NodeError),
     #[error("host NQN {0:?} in the node state is invalid")]
     HostNqn(String),
 }

@@ -13,9 +13,9 @@ use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
 use tonic::transport::{Channel, Endpoint, Uri};
 
-use crate::csi;
-use crate::csi::controller_client::ControllerClient;
-use crate::csi::node_client::NodeClient;
+use pillar_csi::csi;
+use pillar_csi::csi::controller_client::ControllerClient;
+use pillar_csi::csi::node_client::NodeClient;
 
 /// Why the demo failed.
 #[derive(Debug, thiserror::Error)]
