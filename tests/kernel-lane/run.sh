@@ -4,7 +4,7 @@
 #   tests/kernel-lane/run.sh [LIBTEST FILTER...]
 #
 # 1. setup.sh: host packages, the Debian kernels (downloaded and unpacked, never installed)
-# 2. cargo: pillar-agent, pillar-csi and the test binary of csi/tests/kernel_lane.rs
+# 2. cargo: pillar-agent, pillar-csi and the test binary of csi/tests/kernel_lane/
 # 3. for each kernel (bookworm's 6.1, then sid's newest): boot it under qemu and run the
 #    scenarios there (guest/pillar.sh), against the real nvmet target and NVMe/TCP host
 # 4. a table of per-scenario times and results; exit code 0 only when every scenario passed on

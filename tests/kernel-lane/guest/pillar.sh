@@ -3,7 +3,7 @@
 #
 #   tests/kernel-lane/vm.sh bookworm tests/kernel-lane/guest/pillar.sh TEST_BINARY [LIBTEST ARGS...]
 #
-# Prepares the kernel for the scenarios of csi/tests/kernel_lane.rs and runs that compiled test
+# Prepares the kernel for the scenarios of csi/tests/kernel_lane/ and runs that compiled test
 # binary with --test-threads=1 --nocapture (any further arguments go to libtest, e.g. a name
 # filter). Exit code: the test binary's.
 #

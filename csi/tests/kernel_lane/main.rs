@@ -1,0 +1,52 @@
+//! The real-kernel lane (issue 5): pillar's own binaries against a real Linux kernel. The agent
+//! (`pillar-agent --target kernel`) drives configfs/nvmet, the node plugin (`pillar-csi node`)
+//! connects with the kernel's NVMe/TCP host over loopback, the controller (`pillar-csi
+//! controller`) keeps its records in the embedded store. The test drives the CSI calls the way
+//! kubelet and the sidecars do and checks the kernel's side: its log (`/dev/kmsg`), configfs
+//! (`/sys/kernel/config/nvmet`), sysfs (`/sys/class/nvme*`, `/sys/block/nvme*`) and I/O with
+//! checksums.
+//!
+//! Where it runs: inside the VM of `tests/kernel-lane/run.sh` (guest script
+//! `tests/kernel-lane/guest/pillar.sh`, which runs the binary with `--include-ignored` and sets
+//! `PILLAR_KERNEL_LANE=1`). Two gates keep it off other machines: every scenario is `#[ignore]`d
+//! (a plain `cargo test` lists them as ignored, never as passed), and without the variable a
+//! scenario run with `--ignored` prints `SKIP: ...` and returns. The scenarios tear down ALL
+//! nvmet state and delete every NVMe/TCP controller of the machine they run on, so they must
+//! never run by accident, even on a machine that has nvmet. With the variable set and no nvmet
+//! in the kernel, the scenario fails.
+//!
+//! Binaries: `pillar-csi` is this package's (`CARGO_BIN_EXE_pillar-csi`), `pillar-agent` is
+//! looked up next to it (build it first: `cargo build -p pillar-agent`); `PILLAR_CSI_BIN` and
+//! `PILLAR_AGENT_BIN` override both.
+//!
+//! Scenarios (one test each; run them with `--test-threads=1`):
+//! 1. provision, publish, stage (mkfs, mount), publish to a pod path, checksummed I/O, teardown
+//! 2. agent restart (SIGKILL) with its state kept: I/O goes on, identity unchanged
+//! 3. storage-node reboot (port taken away, nvmet torn down, agent state wiped, agent refuses
+//!    exports until the controller resyncs): the host reconnects by itself, data intact
+//! 4. control: the same reboot with kernel-random identity breaks the filesystem
+//! 5. one writer: a second host identity cannot connect while the volume is published RWO to
+//!    the first (acl), and can after unpublish + publish
+//! 6. a stale revoke (older generation after a newer grant) is rejected; the grant stays
+//! 7. online expansion (host sees the new size, filesystem grows) and volume stats
+//! 8. the LVM backends (linear and thin) on device-mapper: extent rounding, the `pillar` tag,
+//!    export of the LV, I/O, online expansion, shrink refused, delete; foreign LVs untouched
+//!
+//! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
+//! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers),
+//! [`reboot`] (the storage-node reboot of scenarios 3 and 4), and one module per scenario, named
+//! as its test (libtest paths are `<scenario>::<scenario>`; name filters such as `s3_` match).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
+
+mod harness;
+mod lvm;
+mod reboot;
+
+mod s1_provision_publish_stage_io;
+mod s2_agent_restart_keeps_identity;
+mod s3_storage_reboot_recovers;
+mod s4_control_random_identity_breaks_fs;
+mod s5_one_writer;
+mod s6_stale_revoke_rejected;
+mod s7_online_expansion_and_stats;
+mod s8_lvm_backends;
