@@ -28,7 +28,7 @@ use std::thread::JoinHandle;
 
 use io_uring::squeue::{Entry, Flags};
 use io_uring::types::{DestinationSlot, Fd, Fixed};
-use io_uring::{IoUring, Probe, opcode};
+use io_uring::{IoUring, opcode};
 use pillar_nvmet::{ApplyError, Op};
 use tokio::sync::oneshot;
 
@@ -114,77 +114,23 @@ struct Job {
     reply: oneshot::Sender<Result<(), EngineError>>,
 }
 
-/// The opcodes the engine needs; probed at start.
-const REQUIRED: [(u8, &str); 9] = [
-    (opcode::OpenAt::CODE, "openat"),
-    (opcode::Write::CODE, "write"),
-    (opcode::Read::CODE, "read"),
-    (opcode::Fsync::CODE, "fsync"),
-    (opcode::Close::CODE, "close"),
-    (opcode::RenameAt::CODE, "renameat"),
-    (opcode::UnlinkAt::CODE, "unlinkat"),
-    (opcode::MkDirAt::CODE, "mkdirat"),
-    (opcode::SymlinkAt::CODE, "symlinkat"),
-];
-
-fn unavailable(what: &str, e: &io::Error) -> EngineError {
-    let hint = match e.raw_os_error() {
-        Some(libc::ENOSYS) => " (the kernel has no io_uring, or a seccomp profile hides it)",
-        Some(libc::EPERM) => {
-            " (io_uring is disabled: see /proc/sys/kernel/io_uring_disabled, or a container seccomp profile blocks it)"
-        }
-        _ => "",
-    };
-    EngineError::Unavailable {
-        reason: format!("{what}: {e}{hint}; run the agent with --engine sync"),
-    }
-}
+mod probe;
 
 impl UringEngine {
-    /// Creates the ring, probes the opcodes it needs, registers the direct-descriptor table and
-    /// starts the ring thread. A clear [`EngineError::Unavailable`] when io_uring cannot be used.
+    /// Creates the restricted ring (see [`probe`]: opcodes probed, direct-descriptor table
+    /// registered, only the engine's opcodes and flags allowed) and starts the ring thread. A clear [`EngineError::Unavailable`] when io_uring cannot be used.
     pub fn start(config: UringConfig) -> Result<Self, EngineError> {
-        let ring = IoUring::builder()
-            .dontfork()
-            .build(RING_ENTRIES)
-            .map_err(|e| unavailable("io_uring_setup", &e))?;
-        let mut probe = Probe::new();
-        ring.submitter()
-            .register_probe(&mut probe)
-            .map_err(|e| unavailable("io_uring probe", &e))?;
-        let missing: Vec<&str> = REQUIRED
-            .iter()
-            .filter(|(code, _)| !probe.is_supported(*code))
-            .map(|(_, name)| *name)
-            .collect();
-        if !missing.is_empty() {
-            return Err(EngineError::Unavailable {
-                reason: format!(
-                    "the kernel's io_uring lacks {}; run the agent with --engine sync",
-                    missing.join(", ")
-                ),
-            });
-        }
-        ring.submitter()
-            .register_files_sparse(FILE_SLOTS)
-            .map_err(|e| unavailable("registering direct descriptors", &e))?;
-        // fsync is a blocking operation the kernel runs on io-wq workers, whose bounded pool
-        // defaults to a few per CPU; let every request in flight have one, so concurrent
-        // volumes' fsyncs run in parallel instead of queueing behind each other.
-        let mut max_workers = [FILE_SLOTS, 0];
-        if let Err(e) = ring.submitter().register_iowq_max_workers(&mut max_workers) {
-            tracing::warn!(error = %e, "could not raise the io-wq worker limit; fsyncs may queue");
-        }
+        let probe::RingSetup { ring, skip_success } =
+            probe::restricted_ring(RING_ENTRIES, FILE_SLOTS)?;
         // SAFETY: eventfd(2) with valid flags returns a new descriptor or -1; nothing else is
         // touched.
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if raw < 0 {
-            return Err(unavailable("eventfd", &io::Error::last_os_error()));
+            return Err(probe::unavailable("eventfd", &io::Error::last_os_error()));
         }
         // SAFETY: `raw` is a freshly created descriptor that nothing else owns.
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
         let stats = Arc::new(EngineStats::default());
-        let skip_success = ring.params().is_feature_skip_cqe_on_success();
         let (tx, rx) = mpsc::channel();
         let mut thread = RingThread {
             ring,
@@ -207,7 +153,7 @@ impl UringEngine {
         let handle = std::thread::Builder::new()
             .name("pillar-uring".into())
             .spawn(move || thread.run())
-            .map_err(|e| unavailable("spawning the ring thread", &e))?;
+            .map_err(|e| probe::unavailable("spawning the ring thread", &e))?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             wake,
