@@ -340,3 +340,70 @@ async fn one_failing_request_does_not_cancel_its_neighbours() {
         }
     }
 }
+
+// A push the kernel refuses (the queue was full and the submit that makes room failed) answers
+// its caller with the error instead of leaving it waiting: its descriptor slot comes back (far
+// more refusals than slots), the engine keeps working, and dropping it ends its thread.
+#[tokio::test]
+async fn a_refused_submission_answers_its_caller() {
+    let engine = Engine::Uring(
+        UringEngine::start(UringConfig::default().with_failing_submits(libc::EINVAL, 102)).unwrap(),
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = DurableDir::open(tmp.path()).unwrap();
+    let refused = |r: Result<Result<(), EngineError>, _>| match r.expect("answered, not hanging") {
+        Err(EngineError::Submit { source }) => {
+            assert_eq!(source.raw_os_error(), Some(libc::EINVAL))
+        }
+        other => panic!("expected the submit error, got {other:?}"),
+    };
+    for i in 0..100 {
+        refused(
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                engine.replace_file(&dir, &format!("x{i}"), vec![1; 10]),
+            )
+            .await,
+        );
+    }
+    refused(tokio::time::timeout(Duration::from_secs(10), engine.remove_file(&dir, "x0")).await);
+    let plan = vec![Op::Mkdir { path: "c".into() }];
+    refused(tokio::time::timeout(Duration::from_secs(10), engine.apply_configfs(&dir, plan)).await);
+
+    engine
+        .replace_file(&dir, "a.json", b"after".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(listing(dir.path()), vec!["a.json"]);
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::task::spawn_blocking(move || drop(engine)),
+    )
+    .await
+    .expect("the ring thread ends")
+    .unwrap();
+}
+
+// A busy queue (EBUSY/EAGAIN when making room) is not an error: the request waits for the next
+// round, after completions were reaped, and then runs.
+#[tokio::test]
+async fn a_busy_queue_is_retried() {
+    for errno in [libc::EBUSY, libc::EAGAIN] {
+        let engine = Engine::Uring(
+            UringEngine::start(UringConfig::default().with_failing_submits(errno, 5)).unwrap(),
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        let run = async {
+            engine.replace_file(&dir, "a.json", b"1".to_vec()).await?;
+            engine.remove_file(&dir, "a.json").await?;
+            let plan = vec![Op::Mkdir { path: "c".into() }];
+            engine.apply_configfs(&dir, plan).await
+        };
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("not stuck")
+            .unwrap();
+        assert_eq!(listing(dir.path()), vec!["c"]);
+    }
+}

@@ -83,6 +83,8 @@ pub enum EngineError {
     Unavailable { reason: String },
     #[error("the io_uring engine thread has stopped")]
     Stopped,
+    #[error("the kernel refused an io_uring submission")]
+    Submit { source: io::Error },
     #[error(transparent)]
     Configfs(#[from] ApplyError),
     #[error("blocking task failed")]

@@ -1,0 +1,516 @@
+//! Chain builders, free of any ring access: from a request's data they make the entries, each
+//! tagged with its step, its expected write length and the flags that link it to the next one.
+//!
+//! - A replace is `openat (into the slot) -> write -> fsync -> close -> renameat -> fsync(dir)`;
+//!   a removal is `unlinkat =>(hard link) fsync(dir)`. In a group-commit group the directory
+//!   fsync is left out: the group shares one.
+//! - A configfs segment runs up to [`MAX_OPS_PER_CHAIN`] operations of a plan; an attribute
+//!   write is `openat -> write -> close` on the segment's slot.
+//!
+//! Every entry but the last is linked to the next one and, where the kernel supports it, posts
+//! no completion on success, so a successful chain wakes the ring thread once.
+
+use std::ffi::CStr;
+use std::os::fd::RawFd;
+
+use io_uring::opcode;
+use io_uring::squeue::{Entry, Flags};
+use io_uring::types::{Fd, Fixed};
+
+use super::flight::{CfgPart, CfgStep, ChainState, FlightId, Planned, Slot, user_data};
+use super::job::{CfgOp, ReplaceData};
+use super::queue::FdOnly;
+use crate::engine::{DurableStep, FaultInjection};
+
+/// configfs operations per linked chain (an attribute write takes three entries).
+pub const MAX_OPS_PER_CHAIN: usize = 64;
+
+// Entry indices are 16 bits of user data.
+const _: () = assert!(3 * MAX_OPS_PER_CHAIN < u16::MAX as usize);
+
+/// How the engine builds chains on this kernel.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct ChainOptions {
+    /// The kernel can skip completions of successful entries.
+    pub skip_success: bool,
+    /// The step every durable chain fails at (tests).
+    pub fault: FaultInjection,
+}
+
+/// A chain ready to push: its entries (user data and flags set) and their plan.
+#[derive(Debug)]
+pub(super) struct Chain<S> {
+    pub entries: Vec<Entry>,
+    pub planned: Vec<Planned<S>>,
+}
+
+impl<S: super::flight::StepKind> Chain<S> {
+    /// The entries to push, and the state that collects their completions.
+    pub(super) fn into_parts(self) -> (Vec<Entry>, ChainState<S>) {
+        (self.entries, ChainState::new(self.planned))
+    }
+}
+
+/// Collects entries, then seals them into a [`Chain`].
+struct Builder<S> {
+    entries: Vec<(S, Entry, Flags, Option<u32>)>,
+}
+
+impl<S: Copy> Builder<S> {
+    fn new() -> Self {
+        Self {
+            entries: Vec::with_capacity(6),
+        }
+    }
+
+    /// Adds `entry` for `step`, linked to the next entry with `link` (ignored for the last).
+    fn add(&mut self, step: S, entry: Entry, link: Flags, write_len: Option<u32>) {
+        self.entries.push((step, entry, link, write_len));
+    }
+
+    /// Sets user data `(id, index)` on every entry, and on every entry but the last its link
+    /// and, with `skip_success`, `SKIP_SUCCESS`.
+    fn seal(self, id: FlightId, skip_success: bool) -> Chain<S> {
+        let n = self.entries.len();
+        let skip = if skip_success {
+            Flags::SKIP_SUCCESS
+        } else {
+            Flags::empty()
+        };
+        let (entries, planned) = self
+            .entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, (step, entry, link, write_len))| {
+                let flags = if i + 1 < n {
+                    link | skip
+                } else {
+                    Flags::empty()
+                };
+                let index = u16::try_from(i).expect("chains are shorter than 2^16 entries");
+                let entry = entry.user_data(user_data(id, index)).flags(flags);
+                (
+                    entry,
+                    Planned {
+                        step,
+                        write_len,
+                        flags,
+                    },
+                )
+            })
+            .unzip();
+        Chain { entries, planned }
+    }
+}
+
+/// `entry`, or in its place an entry that always fails when fault injection fails `step`.
+fn or_injected(step: DurableStep, entry: Entry, fault: FaultInjection) -> Entry {
+    if fault.fail_at == Some(step) {
+        FdOnly::failing().into_entry()
+    } else {
+        entry
+    }
+}
+
+/// The chain of a replace of `data.name` in the directory `dirfd`, through `slot`.
+pub(super) fn replace(
+    id: FlightId,
+    data: &ReplaceData,
+    dirfd: RawFd,
+    slot: &Slot,
+    grouped: bool,
+    options: ChainOptions,
+) -> Chain<DurableStep> {
+    let dir = Fd(dirfd);
+    let file = Fixed(slot.index());
+    // No O_CLOEXEC: the kernel refuses it for direct descriptors (they are never in the
+    // process's fd table, so there is nothing to leak across exec).
+    let steps = [
+        (
+            DurableStep::Open,
+            opcode::OpenAt::new(dir, data.tmp.as_ptr())
+                .flags(libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC)
+                .mode(0o600)
+                .file_index(Some(slot.dest()))
+                .build(),
+        ),
+        (
+            DurableStep::Write,
+            opcode::Write::new(file, data.data.as_ptr(), data.len)
+                .offset(0)
+                .build(),
+        ),
+        (DurableStep::Fsync, opcode::Fsync::new(file).build()),
+        (DurableStep::Close, FdOnly::close_slot(slot).into_entry()),
+        (
+            DurableStep::Rename,
+            opcode::RenameAt::new(dir, data.tmp.as_ptr(), dir, data.name.as_ptr()).build(),
+        ),
+    ];
+    let mut chain = Builder::new();
+    for (step, entry) in steps {
+        let write_len = (step == DurableStep::Write).then_some(data.len);
+        chain.add(
+            step,
+            or_injected(step, entry, options.fault),
+            Flags::IO_LINK,
+            write_len,
+        );
+    }
+    if !grouped {
+        add_dir_fsync(&mut chain, dirfd, options.fault);
+    }
+    chain.seal(id, options.skip_success)
+}
+
+/// The chain of a removal of `name` from the directory `dirfd`.
+pub(super) fn remove(
+    id: FlightId,
+    name: &CStr,
+    dirfd: RawFd,
+    grouped: bool,
+    options: ChainOptions,
+) -> Chain<DurableStep> {
+    let mut chain = Builder::new();
+    // Hard link: the directory fsync runs even when the file was already gone, so a removal
+    // that an earlier crash left non-durable becomes durable.
+    let unlink = opcode::UnlinkAt::new(Fd(dirfd), name.as_ptr()).build();
+    chain.add(DurableStep::Unlink, unlink, Flags::IO_HARDLINK, None);
+    if !grouped {
+        add_dir_fsync(&mut chain, dirfd, options.fault);
+    }
+    chain.seal(id, options.skip_success)
+}
+
+fn add_dir_fsync(chain: &mut Builder<DurableStep>, dirfd: RawFd, fault: FaultInjection) {
+    let fsync = group_fsync_entry(dirfd, fault).into_entry();
+    chain.add(DurableStep::FsyncDir, fsync, Flags::empty(), None);
+}
+
+fn group_fsync_entry(dirfd: RawFd, fault: FaultInjection) -> FdOnly {
+    if fault.fail_at == Some(DurableStep::FsyncDir) {
+        FdOnly::failing()
+    } else {
+        FdOnly::fsync(dirfd)
+    }
+}
+
+/// The fsync of directory `dirfd` a group-commit group `id` shares.
+pub(super) fn group_fsync(id: FlightId, dirfd: RawFd, fault: FaultInjection) -> FdOnly {
+    group_fsync_entry(dirfd, fault).user_data(user_data(id, 0))
+}
+
+/// The close of a descriptor a failed chain left in `slot`, as cleanup `id`.
+pub(super) fn cleanup_close(id: FlightId, slot: &Slot) -> FdOnly {
+    FdOnly::close_slot(slot).user_data(user_data(id, 0))
+}
+
+/// Where the segment of a plan of `len` operations that starts at `next` ends.
+pub(super) fn segment_end(next: usize, len: usize) -> usize {
+    next.saturating_add(MAX_OPS_PER_CHAIN).min(len)
+}
+
+/// The chain of operations `next..segment_end(next, ops.len())` of a configfs plan against the
+/// tree open at `rootfd`, writing attributes through `slot`.
+pub(super) fn configfs_segment(
+    id: FlightId,
+    ops: &[CfgOp],
+    next: usize,
+    rootfd: RawFd,
+    slot: &Slot,
+    skip_success: bool,
+) -> Chain<CfgStep> {
+    let root = Fd(rootfd);
+    let end = segment_end(next, ops.len());
+    let mut chain = Builder::new();
+    let single = |op| CfgStep {
+        op,
+        part: CfgPart::Single,
+    };
+    for (op, cfg) in ops.iter().enumerate().take(end).skip(next) {
+        match cfg {
+            CfgOp::Mkdir { path } => {
+                let mkdir = opcode::MkDirAt::new(root, path.as_ptr())
+                    .mode(0o755)
+                    .build();
+                chain.add(single(op), mkdir, Flags::IO_LINK, None);
+            }
+            CfgOp::Write { path, value, len } => {
+                let open = opcode::OpenAt::new(root, path.as_ptr())
+                    .flags(libc::O_WRONLY)
+                    .file_index(Some(slot.dest()))
+                    .build();
+                let write = opcode::Write::new(Fixed(slot.index()), value.as_ptr(), *len)
+                    .offset(0)
+                    .build();
+                let close = FdOnly::close_slot(slot).into_entry();
+                let part = |part| CfgStep { op, part };
+                chain.add(part(CfgPart::Open), open, Flags::IO_LINK, None);
+                chain.add(part(CfgPart::Write), write, Flags::IO_LINK, Some(*len));
+                chain.add(part(CfgPart::Close), close, Flags::IO_LINK, None);
+            }
+            CfgOp::Symlink { link, target } => {
+                let symlink = opcode::SymlinkAt::new(root, target.as_ptr(), link.as_ptr()).build();
+                chain.add(single(op), symlink, Flags::IO_LINK, None);
+            }
+            CfgOp::Unlink { path } => {
+                let unlink = opcode::UnlinkAt::new(root, path.as_ptr()).build();
+                chain.add(single(op), unlink, Flags::IO_LINK, None);
+            }
+            CfgOp::Rmdir { path } => {
+                let rmdir = opcode::UnlinkAt::new(root, path.as_ptr())
+                    .flags(libc::AT_REMOVEDIR)
+                    .build();
+                chain.add(single(op), rmdir, Flags::IO_LINK, None);
+            }
+        }
+    }
+    chain.seal(id, skip_success)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CString;
+
+    use super::*;
+    use crate::engine::uring::flight::SlotPool;
+
+    const DIRFD: RawFd = 7;
+
+    fn slot() -> Slot {
+        SlotPool::new(1).take().unwrap()
+    }
+
+    fn data() -> ReplaceData {
+        ReplaceData {
+            tmp: CString::new(".a.json.1.tmp").unwrap(),
+            name: CString::new("a.json").unwrap(),
+            data: b"0123456789".to_vec(),
+            len: 10,
+        }
+    }
+
+    fn id() -> FlightId {
+        let mut ids = super::super::flight::Ids::new();
+        ids.next();
+        ids.next()
+    }
+
+    fn options(skip_success: bool) -> ChainOptions {
+        ChainOptions {
+            skip_success,
+            fault: FaultInjection::default(),
+        }
+    }
+
+    fn steps<S: Copy>(chain: &Chain<S>) -> Vec<S> {
+        chain.planned.iter().map(|p| p.step).collect()
+    }
+
+    fn opcodes<S>(chain: &Chain<S>) -> Vec<u8> {
+        chain
+            .entries
+            .iter()
+            .map(|e| u8::try_from(e.get_opcode()).unwrap())
+            .collect()
+    }
+
+    /// Every entry but the last carries `link` (and SKIP_SUCCESS when asked); the last nothing.
+    fn assert_links<S>(chain: &Chain<S>, link: &[Flags], skip_success: bool) {
+        let n = chain.planned.len();
+        for (i, (planned, entry)) in chain.planned.iter().zip(&chain.entries).enumerate() {
+            // The entry's own flags (its Debug output is the crate's only window on them),
+            // besides FIXED_FILE, which the crate sets on entries addressing a slot.
+            let shown = format!("{entry:?}");
+            let set: u8 = shown
+                .split("flags: ")
+                .nth(1)
+                .and_then(|rest| rest.split(',').next())
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert_eq!(
+                set & !Flags::FIXED_FILE.bits(),
+                planned.flags.bits(),
+                "entry {i}: {shown}"
+            );
+            if i + 1 == n {
+                assert_eq!(planned.flags, Flags::empty(), "last entry {i}");
+            } else {
+                let mut want = link[i];
+                if skip_success {
+                    want |= Flags::SKIP_SUCCESS;
+                }
+                assert_eq!(planned.flags, want, "entry {i}");
+            }
+        }
+    }
+
+    fn assert_user_data<S>(chain: &Chain<S>, id: FlightId) {
+        for (i, entry) in chain.entries.iter().enumerate() {
+            let index = u16::try_from(i).unwrap();
+            assert_eq!(entry.get_user_data(), user_data(id, index));
+        }
+    }
+
+    #[test]
+    fn a_replace_is_open_write_fsync_close_rename_fsync_dir() {
+        for skip_success in [false, true] {
+            let chain = replace(id(), &data(), DIRFD, &slot(), false, options(skip_success));
+            assert_eq!(steps(&chain), DurableStep::REPLACE);
+            assert_eq!(
+                opcodes(&chain),
+                [
+                    opcode::OpenAt::CODE,
+                    opcode::Write::CODE,
+                    opcode::Fsync::CODE,
+                    opcode::Close::CODE,
+                    opcode::RenameAt::CODE,
+                    opcode::Fsync::CODE,
+                ]
+            );
+            assert_links(&chain, &[Flags::IO_LINK; 5], skip_success);
+            assert_user_data(&chain, id());
+            let write_len: Vec<Option<u32>> = chain.planned.iter().map(|p| p.write_len).collect();
+            assert_eq!(write_len, [None, Some(10), None, None, None, None]);
+        }
+    }
+
+    #[test]
+    fn a_grouped_replace_leaves_the_directory_fsync_to_its_group() {
+        let chain = replace(id(), &data(), DIRFD, &slot(), true, options(true));
+        assert_eq!(steps(&chain), DurableStep::REPLACE[..5]);
+        assert_links(&chain, &[Flags::IO_LINK; 4], true);
+        let last = chain.planned.last().unwrap();
+        assert!(!last.flags.contains(Flags::SKIP_SUCCESS));
+    }
+
+    #[test]
+    fn a_removal_is_hard_linked_to_the_directory_fsync() {
+        for skip_success in [false, true] {
+            let name = CString::new("a.json").unwrap();
+            let chain = remove(id(), &name, DIRFD, false, options(skip_success));
+            assert_eq!(steps(&chain), [DurableStep::Unlink, DurableStep::FsyncDir]);
+            assert_eq!(
+                opcodes(&chain),
+                [opcode::UnlinkAt::CODE, opcode::Fsync::CODE]
+            );
+            assert_links(&chain, &[Flags::IO_HARDLINK], skip_success);
+            assert!(chain.planned[0].hard_link());
+            assert_user_data(&chain, id());
+
+            let grouped = remove(id(), &name, DIRFD, true, options(skip_success));
+            assert_eq!(steps(&grouped), [DurableStep::Unlink]);
+            assert_eq!(grouped.planned[0].flags, Flags::empty());
+        }
+    }
+
+    #[test]
+    fn fault_injection_replaces_exactly_the_chosen_step() {
+        let clean = opcodes(&replace(
+            id(),
+            &data(),
+            DIRFD,
+            &slot(),
+            false,
+            options(true),
+        ));
+        for (index, step) in DurableStep::REPLACE.into_iter().enumerate() {
+            let options = ChainOptions {
+                skip_success: true,
+                fault: FaultInjection {
+                    fail_at: Some(step),
+                },
+            };
+            let chain = replace(id(), &data(), DIRFD, &slot(), false, options);
+            assert_eq!(steps(&chain), DurableStep::REPLACE, "the plan is unchanged");
+            assert_user_data(&chain, id());
+            let got = opcodes(&chain);
+            for (i, (got, clean)) in got.iter().zip(&clean).enumerate() {
+                if i == index {
+                    // The always-failing close (for the close step itself, the same opcode on
+                    // descriptor -1 instead of the slot).
+                    assert_eq!(*got, opcode::Close::CODE, "{step}");
+                } else {
+                    assert_eq!(got, clean, "{step}: entry {i} untouched");
+                }
+            }
+        }
+    }
+
+    fn cfg(path: &str) -> CString {
+        CString::new(path).unwrap()
+    }
+
+    #[test]
+    fn a_configfs_segment_maps_each_operation_to_its_entries() {
+        let ops = vec![
+            CfgOp::Mkdir { path: cfg("a") },
+            CfgOp::Write {
+                path: cfg("a/attr"),
+                value: b"1".to_vec(),
+                len: 1,
+            },
+            CfgOp::Symlink {
+                link: cfg("b/a"),
+                target: cfg("/cfg/a"),
+            },
+            CfgOp::Unlink { path: cfg("b/a") },
+            CfgOp::Rmdir { path: cfg("a") },
+        ];
+        let chain = configfs_segment(id(), &ops, 0, DIRFD, &slot(), true);
+        let single = |op| CfgStep {
+            op,
+            part: CfgPart::Single,
+        };
+        let part = |part| CfgStep { op: 1, part };
+        assert_eq!(
+            steps(&chain),
+            [
+                single(0),
+                part(CfgPart::Open),
+                part(CfgPart::Write),
+                part(CfgPart::Close),
+                single(2),
+                single(3),
+                single(4),
+            ]
+        );
+        assert_eq!(
+            opcodes(&chain),
+            [
+                opcode::MkDirAt::CODE,
+                opcode::OpenAt::CODE,
+                opcode::Write::CODE,
+                opcode::Close::CODE,
+                opcode::SymlinkAt::CODE,
+                opcode::UnlinkAt::CODE,
+                opcode::UnlinkAt::CODE,
+            ]
+        );
+        assert_eq!(chain.planned[2].write_len, Some(1));
+        assert_links(&chain, &[Flags::IO_LINK; 6], true);
+        assert_user_data(&chain, id());
+    }
+
+    #[test]
+    fn a_configfs_segment_runs_at_most_max_ops_per_chain_operations() {
+        let len = 2 * MAX_OPS_PER_CHAIN + 5;
+        let ops: Vec<CfgOp> = (0..len)
+            .map(|i| CfgOp::Mkdir {
+                path: cfg(&format!("d{i}")),
+            })
+            .collect();
+        let mut next = 0;
+        let mut segments = Vec::new();
+        while next < len {
+            let chain = configfs_segment(id(), &ops, next, DIRFD, &slot(), false);
+            let covered: Vec<usize> = steps(&chain).iter().map(|s| s.op).collect();
+            let end = segment_end(next, len);
+            assert_eq!(covered, (next..end).collect::<Vec<_>>());
+            segments.push(covered.len());
+            next = end;
+        }
+        assert_eq!(segments, [MAX_OPS_PER_CHAIN, MAX_OPS_PER_CHAIN, 5]);
+    }
+}

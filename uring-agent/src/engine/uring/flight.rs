@@ -1,0 +1,769 @@
+//! In-flight bookkeeping, free of any ring access: which chain a completion belongs to, what
+//! each chain's completions say, which descriptor slots are free, and group commit.
+//!
+//! A completion's user data is `(id << 16) | index`: the chain (or group fsync, or cleanup) it
+//! belongs to, and the entry's position in that chain.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use io_uring::squeue::Flags;
+use io_uring::types::DestinationSlot;
+use pillar_nvmet::{ApplyError, Op};
+
+use super::job::{ConfigfsJob, DurableJob, Reply};
+use crate::engine::{DurableDir, DurableStep, EngineError};
+
+/// Bits of user data that hold the entry's index in its chain.
+const INDEX_BITS: u32 = 16;
+/// Ids use the remaining 48 bits.
+const ID_LIMIT: u64 = 1 << (64 - INDEX_BITS);
+
+/// User data of the eventfd read that wakes the ring thread. No entry of a chain has it: ids
+/// stay below `ID_LIMIT - 1`.
+pub(super) const WAKE: u64 = u64::MAX;
+
+/// Names one chain, group fsync or cleanup in the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct FlightId(u64);
+
+/// Hands out ids, cycling through 48 bits (a wrap-around is ~10^14 requests away, so an id is
+/// never in use twice).
+#[derive(Debug)]
+pub(super) struct Ids {
+    next: u64,
+}
+
+impl Ids {
+    pub(super) fn new() -> Self {
+        Self { next: 1 }
+    }
+
+    pub(super) fn next(&mut self) -> FlightId {
+        let id = self.next;
+        self.next += 1;
+        if self.next >= ID_LIMIT - 1 {
+            self.next = 1;
+        }
+        FlightId(id)
+    }
+}
+
+/// The user data of entry `index` of chain `id`.
+pub(super) fn user_data(id: FlightId, index: u16) -> u64 {
+    (id.0 << INDEX_BITS) | u64::from(index)
+}
+
+/// What a completion's user data names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Tag {
+    Wake,
+    Entry { id: FlightId, index: usize },
+}
+
+pub(super) fn decode(user_data: u64) -> Tag {
+    if user_data == WAKE {
+        return Tag::Wake;
+    }
+    let index = user_data & ((1 << INDEX_BITS) - 1);
+    Tag::Entry {
+        id: FlightId(user_data >> INDEX_BITS),
+        // 16 bits always fit a usize.
+        index: usize::from(u16::try_from(index).unwrap_or(u16::MAX)),
+    }
+}
+
+/// A direct-descriptor slot. Not `Clone`: a slot belongs to exactly one chain at a time, or to
+/// the pool, and a chain that opens a file needs one by type.
+#[derive(Debug)]
+pub(super) struct Slot {
+    index: u32,
+    dest: DestinationSlot,
+}
+
+impl Slot {
+    pub(super) fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The slot as an `openat` target.
+    pub(super) fn dest(&self) -> DestinationSlot {
+        self.dest
+    }
+}
+
+/// The free slots.
+#[derive(Debug)]
+pub(super) struct SlotPool {
+    free: Vec<Slot>,
+}
+
+impl SlotPool {
+    /// Slots `0..count`.
+    pub(super) fn new(count: u32) -> Self {
+        let free = (0..count)
+            .rev()
+            .filter_map(|index| {
+                // Every index up to u32::MAX - 2 is a valid target; the table is far smaller.
+                DestinationSlot::try_from_slot_target(index)
+                    .ok()
+                    .map(|dest| Slot { index, dest })
+            })
+            .collect();
+        Self { free }
+    }
+
+    pub(super) fn take(&mut self) -> Option<Slot> {
+        self.free.pop()
+    }
+
+    pub(super) fn put(&mut self, slot: Slot) {
+        self.free.push(slot);
+    }
+
+    #[cfg(test)]
+    pub(super) fn free(&self) -> usize {
+        self.free.len()
+    }
+}
+
+/// What the bookkeeping needs to know about a step of a chain.
+pub(super) trait StepKind: Copy {
+    /// The step installs a file in the chain's descriptor slot.
+    fn opens_slot(self) -> bool;
+    /// The step closes the chain's descriptor slot.
+    fn closes_slot(self) -> bool;
+}
+
+impl StepKind for DurableStep {
+    fn opens_slot(self) -> bool {
+        self == Self::Open
+    }
+
+    fn closes_slot(self) -> bool {
+        self == Self::Close
+    }
+}
+
+/// Part of configfs operation `op` (an index into the plan); an attribute write takes three
+/// entries (open, write, close), every other operation one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CfgStep {
+    pub op: usize,
+    pub part: CfgPart,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum CfgPart {
+    Open,
+    Write,
+    Close,
+    Single,
+}
+
+impl StepKind for CfgStep {
+    fn opens_slot(self) -> bool {
+        self.part == CfgPart::Open
+    }
+
+    fn closes_slot(self) -> bool {
+        self.part == CfgPart::Close
+    }
+}
+
+/// One entry of a chain as planned: its step, the byte count a write must reach, and the flags
+/// set on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Planned<S> {
+    pub step: S,
+    pub write_len: Option<u32>,
+    pub flags: Flags,
+}
+
+impl<S> Planned<S> {
+    /// Hard-linked to the next entry: a failure here does not cancel the rest.
+    pub(super) fn hard_link(&self) -> bool {
+        self.flags.contains(Flags::IO_HARDLINK)
+    }
+}
+
+/// The first failed entry of a chain.
+#[derive(Debug)]
+pub(super) struct Failure<S> {
+    pub index: usize,
+    pub step: S,
+    pub error: io::Error,
+}
+
+/// The completions of one linked chain.
+#[derive(Debug)]
+pub(super) struct ChainState<S> {
+    planned: Vec<Planned<S>>,
+    results: Vec<Option<i32>>,
+    /// Whether the chain's last entry has completed.
+    last_done: bool,
+}
+
+fn cqe_error(res: i32) -> io::Error {
+    io::Error::from_raw_os_error(-res)
+}
+
+impl<S: StepKind> ChainState<S> {
+    pub(super) fn new(planned: Vec<Planned<S>>) -> Self {
+        let results = vec![None; planned.len()];
+        Self {
+            planned,
+            results,
+            last_done: false,
+        }
+    }
+
+    /// Records the completion of entry `index`.
+    pub(super) fn record(&mut self, index: usize, res: i32) {
+        if let Some(r) = self.results.get_mut(index) {
+            *r = Some(res);
+        }
+        if index + 1 == self.results.len() {
+            self.last_done = true;
+        }
+    }
+
+    /// The result of entry `index`, if it posted a completion.
+    pub(super) fn result(&self, index: usize) -> Option<i32> {
+        self.results.get(index).copied().flatten()
+    }
+
+    /// The first failed entry. An entry without a completion succeeded (its completion was
+    /// skipped) or was cancelled after this failure; a cancellation is never the cause. A write
+    /// that wrote less than asked failed (the kernel cancelled the rest of the chain for it).
+    pub(super) fn first_failure(&self) -> Option<Failure<S>> {
+        self.planned
+            .iter()
+            .zip(&self.results)
+            .enumerate()
+            .find_map(|(index, (planned, res))| {
+                let res = (*res)?;
+                let error = if res == -libc::ECANCELED {
+                    return None;
+                } else if res < 0 {
+                    cqe_error(res)
+                } else if let Some(len) = planned.write_len
+                    && u32::try_from(res).ok() != Some(len)
+                {
+                    let msg = format!("short write: {res} of {len} bytes");
+                    io::Error::new(io::ErrorKind::WriteZero, msg)
+                } else {
+                    return None;
+                };
+                Some(Failure {
+                    index,
+                    step: planned.step,
+                    error,
+                })
+            })
+    }
+
+    /// Whether every completion this chain will post has arrived. Its last entry always
+    /// completes unless an earlier entry failed: with skipped success completions, the kernel
+    /// then also skips the cancellations of the entries after it (`REQ_F_SKIP_LINK_CQES`), so
+    /// the failure itself ends the chain (unless it was hard-linked, when the rest still runs).
+    pub(super) fn finished(&self, skip_success: bool) -> bool {
+        if self.last_done {
+            let last = self.results.last().copied().flatten();
+            // A cancelled last entry means an earlier failure; wait to have seen it.
+            return last != Some(-libc::ECANCELED) || self.first_failure().is_some();
+        }
+        skip_success
+            && self
+                .first_failure()
+                .is_some_and(|f| !self.planned.get(f.index).is_some_and(Planned::hard_link))
+    }
+
+    /// Whether entry `index` ran and succeeded (in a finished chain): entries before the first
+    /// failure did; the failed one and those after it did not.
+    pub(super) fn succeeded(&self, index: usize) -> bool {
+        let failed_at = self.first_failure().map_or(usize::MAX, |f| f.index);
+        index < failed_at
+            && self
+                .results
+                .get(index)
+                .is_some_and(|r| r.is_none_or(|r| r >= 0))
+    }
+
+    /// Whether the (finished) chain left a file installed in its slot: opened, never closed.
+    pub(super) fn slot_left_open(&self) -> bool {
+        let mut open = false;
+        for (index, planned) in self.planned.iter().enumerate() {
+            if !self.succeeded(index) {
+                break;
+            }
+            if planned.step.opens_slot() {
+                open = true;
+            } else if planned.step.closes_slot() {
+                open = false;
+            }
+        }
+        open
+    }
+}
+
+impl ChainState<DurableStep> {
+    /// The outcome of a finished durable chain for the file at `path` (before any shared
+    /// directory fsync). Removing a file that is already gone is success once the directory is
+    /// synced: the unlink is hard-linked to the fsync, which still ran.
+    pub(super) fn outcome(&self, path: &Path) -> Result<(), EngineError> {
+        let failure = match self.first_failure() {
+            None => return Ok(()),
+            Some(f) => f,
+        };
+        let step_error = |step, source| EngineError::Step {
+            step,
+            path: path.to_owned(),
+            source,
+        };
+        if failure.step == DurableStep::Unlink && failure.error.raw_os_error() == Some(libc::ENOENT)
+        {
+            return match self.result(failure.index + 1) {
+                Some(r) if r < 0 => Err(step_error(DurableStep::FsyncDir, cqe_error(r))),
+                _ => Ok(()),
+            };
+        }
+        Err(step_error(failure.step, failure.error))
+    }
+}
+
+impl ChainState<CfgStep> {
+    /// The outcome of a finished configfs chain of the plan `ops`.
+    pub(super) fn outcome(&self, ops: &[Op]) -> Result<(), ApplyError> {
+        match self.first_failure() {
+            None => Ok(()),
+            Some(f) => Err(ApplyError {
+                index: f.step.op,
+                // Steps index the plan they were built from.
+                op: ops[f.step.op].clone(),
+                source: f.error,
+            }),
+        }
+    }
+}
+
+/// A durable request whose chain is in the ring.
+pub(super) struct DurableFlight {
+    pub job: DurableJob,
+    pub chain: ChainState<DurableStep>,
+    /// The replace's descriptor slot (a removal opens nothing).
+    pub slot: Option<Slot>,
+    /// The group-commit group whose directory fsync this request waits for.
+    pub group: Option<FlightId>,
+}
+
+/// A segment of a configfs plan in the ring.
+pub(super) struct ConfigfsFlight {
+    pub job: ConfigfsJob,
+    pub chain: ChainState<CfgStep>,
+    pub slot: Slot,
+}
+
+/// Entries that tidy up after a failed chain: close of a descriptor it left installed in its
+/// slot. Every entry posts a completion (none skips it), so counting them says when it is done.
+pub(super) struct Cleanup {
+    pub slot: Slot,
+    pub remaining: usize,
+}
+
+/// Durable requests for one directory started in the same round, sharing one directory fsync.
+pub(super) struct Group {
+    dir: Arc<DurableDir>,
+    /// Members whose chains are still in the ring.
+    running: usize,
+    /// Members whose chains finished: their reply, path, and result so far. Held until the
+    /// shared fsync completes.
+    finished: Vec<(Reply, PathBuf, Result<(), EngineError>)>,
+}
+
+impl Group {
+    pub(super) fn new(dir: Arc<DurableDir>) -> Self {
+        Self {
+            dir,
+            running: 0,
+            finished: Vec::new(),
+        }
+    }
+
+    pub(super) fn dir(&self) -> &Arc<DurableDir> {
+        &self.dir
+    }
+
+    /// A member's chain is in the ring.
+    pub(super) fn add_member(&mut self) {
+        self.running += 1;
+    }
+
+    pub(super) fn has_members(&self) -> bool {
+        self.running + self.finished.len() > 0
+    }
+
+    /// A member's chain finished with `result`; its reply waits for the directory fsync.
+    /// Whether every member is done, so the directory fsync may start.
+    pub(super) fn member_finished(
+        &mut self,
+        reply: Reply,
+        path: PathBuf,
+        result: Result<(), EngineError>,
+    ) -> bool {
+        self.running = self.running.saturating_sub(1);
+        self.finished.push((reply, path, result));
+        self.running == 0
+    }
+
+    /// Every member's answer once the directory fsync completed with `fsync`: its own result,
+    /// or the fsync's error.
+    pub(super) fn complete(self, fsync: io::Result<()>) -> Vec<(Reply, Result<(), EngineError>)> {
+        self.finished
+            .into_iter()
+            .map(|(reply, path, result)| {
+                let result = result.and_then(|()| match &fsync {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err(EngineError::Step {
+                        step: DurableStep::FsyncDir,
+                        path,
+                        source: clone_error(e),
+                    }),
+                });
+                (reply, result)
+            })
+            .collect()
+    }
+}
+
+impl Group {
+    /// The replies held so far (the ring failed: they get its error).
+    pub(super) fn into_replies(self) -> impl Iterator<Item = Reply> {
+        self.finished.into_iter().map(|(reply, _, _)| reply)
+    }
+}
+
+/// A copy of `e` for each of several callers (io::Error is not Clone).
+pub(super) fn clone_error(e: &io::Error) -> io::Error {
+    match e.raw_os_error() {
+        Some(errno) => io::Error::from_raw_os_error(errno),
+        None => io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
+/// The result of a completion as an `io::Result`.
+pub(super) fn cqe_result(res: i32) -> io::Result<()> {
+    if res < 0 { Err(cqe_error(res)) } else { Ok(()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    const LEN: u32 = 10;
+
+    /// The plan of a replace chain (as `chain::replace` makes it).
+    fn replace_plan(skip_success: bool, grouped: bool) -> Vec<Planned<DurableStep>> {
+        let steps: &[DurableStep] = if grouped {
+            &DurableStep::REPLACE[..5]
+        } else {
+            &DurableStep::REPLACE
+        };
+        plan(steps, Flags::IO_LINK, skip_success)
+    }
+
+    fn plan<S: StepKind>(steps: &[S], link: Flags, skip_success: bool) -> Vec<Planned<S>> {
+        let skip = if skip_success {
+            Flags::SKIP_SUCCESS
+        } else {
+            Flags::empty()
+        };
+        steps
+            .iter()
+            .enumerate()
+            .map(|(i, step)| Planned {
+                step: *step,
+                write_len: (i == 1).then_some(LEN),
+                flags: if i + 1 < steps.len() {
+                    link | skip
+                } else {
+                    Flags::empty()
+                },
+            })
+            .collect()
+    }
+
+    fn record_all<S: StepKind>(chain: &mut ChainState<S>, results: &[(usize, i32)]) {
+        for (index, res) in results {
+            chain.record(*index, *res);
+        }
+    }
+
+    fn failed_step<S: StepKind + std::fmt::Debug>(chain: &ChainState<S>) -> Option<S> {
+        chain.first_failure().map(|f| f.step)
+    }
+
+    fn path() -> PathBuf {
+        PathBuf::from("/state/a.json")
+    }
+
+    fn step_of(result: Result<(), EngineError>) -> Option<DurableStep> {
+        match result {
+            Ok(()) => None,
+            Err(EngineError::Step { step, .. }) => Some(step),
+            Err(other) => panic!("unexpected {other}"),
+        }
+    }
+
+    #[test]
+    fn user_data_encodes_id_and_index() {
+        let mut ids = Ids::new();
+        let id = ids.next();
+        for index in [0u16, 1, 5, u16::MAX - 1] {
+            assert_eq!(
+                decode(user_data(id, index)),
+                Tag::Entry {
+                    id,
+                    index: usize::from(index)
+                }
+            );
+        }
+        assert_eq!(decode(WAKE), Tag::Wake);
+        assert_ne!(ids.next(), id);
+    }
+
+    #[test]
+    fn ids_wrap_before_they_could_collide_with_the_wake_read() {
+        let mut ids = Ids { next: ID_LIMIT - 2 };
+        assert_eq!(ids.next(), FlightId(ID_LIMIT - 2));
+        assert_eq!(ids.next(), FlightId(1));
+        let largest = FlightId(ID_LIMIT - 2);
+        assert_ne!(user_data(largest, u16::MAX), WAKE);
+    }
+
+    #[test]
+    fn slots_are_handed_out_once_until_put_back() {
+        let mut pool = SlotPool::new(4);
+        let taken: Vec<Slot> = std::iter::from_fn(|| pool.take()).collect();
+        let mut indices: Vec<u32> = taken.iter().map(Slot::index).collect();
+        indices.sort_unstable();
+        assert_eq!(indices, [0, 1, 2, 3]);
+        assert!(pool.take().is_none());
+        for slot in taken {
+            pool.put(slot);
+        }
+        assert_eq!(pool.free(), 4);
+    }
+
+    #[test]
+    fn with_skipped_success_completions_a_good_chain_posts_only_its_last() {
+        let mut chain = ChainState::new(replace_plan(true, false));
+        assert!(!chain.finished(true));
+        chain.record(5, 0);
+        assert!(chain.finished(true));
+        assert!(chain.first_failure().is_none());
+        assert!(!chain.slot_left_open());
+        assert!(chain.outcome(&path()).is_ok());
+    }
+
+    #[test]
+    fn without_skipping_a_chain_finishes_with_its_last_completion() {
+        let mut chain = ChainState::new(replace_plan(false, false));
+        record_all(&mut chain, &[(0, 0), (1, 10), (2, 0), (3, 0), (4, 0)]);
+        assert!(!chain.finished(false));
+        chain.record(5, 0);
+        assert!(chain.finished(false));
+        assert!(chain.outcome(&path()).is_ok());
+    }
+
+    #[test]
+    fn a_failure_in_the_middle_ends_a_skipping_chain_at_once() {
+        let mut chain = ChainState::new(replace_plan(true, false));
+        // The kernel skips the completions of the successes and of the cancelled rest.
+        chain.record(2, -libc::EIO);
+        assert!(chain.finished(true));
+        assert_eq!(failed_step(&chain), Some(DurableStep::Fsync));
+        assert!(
+            chain.slot_left_open(),
+            "opened, and the close was cancelled"
+        );
+        assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::Fsync));
+    }
+
+    #[test]
+    fn a_failure_in_the_middle_waits_for_the_cancellations_without_skipping() {
+        let mut chain = ChainState::new(replace_plan(false, false));
+        record_all(&mut chain, &[(0, 0), (1, 10), (2, -libc::EIO)]);
+        assert!(!chain.finished(false));
+        let cancelled = -libc::ECANCELED;
+        record_all(
+            &mut chain,
+            &[(3, cancelled), (4, cancelled), (5, cancelled)],
+        );
+        assert!(chain.finished(false));
+        assert_eq!(failed_step(&chain), Some(DurableStep::Fsync));
+        assert!(chain.slot_left_open());
+    }
+
+    #[test]
+    fn a_cancelled_last_entry_waits_for_the_failure_that_caused_it() {
+        let mut chain = ChainState::new(replace_plan(false, false));
+        chain.record(5, -libc::ECANCELED);
+        assert!(!chain.finished(false), "the failure has not been seen yet");
+        chain.record(1, -libc::ENOSPC);
+        assert!(chain.finished(false));
+        assert_eq!(failed_step(&chain), Some(DurableStep::Write));
+    }
+
+    #[test]
+    fn a_short_write_is_a_failure() {
+        let mut chain = ChainState::new(replace_plan(true, false));
+        chain.record(1, 5);
+        assert!(chain.finished(true));
+        let failure = chain.first_failure().unwrap();
+        assert_eq!(failure.step, DurableStep::Write);
+        assert_eq!(failure.error.kind(), io::ErrorKind::WriteZero);
+        assert!(chain.slot_left_open());
+    }
+
+    #[test]
+    fn the_slot_is_left_open_only_between_a_good_open_and_a_missing_close() {
+        let cases = [
+            (DurableStep::Open, false),
+            (DurableStep::Write, true),
+            (DurableStep::Fsync, true),
+            (DurableStep::Close, true),
+            (DurableStep::Rename, false),
+            (DurableStep::FsyncDir, false),
+        ];
+        for (index, (step, left_open)) in cases.into_iter().enumerate() {
+            let mut chain = ChainState::new(replace_plan(true, false));
+            chain.record(index, -libc::EIO);
+            assert!(chain.finished(true), "{step}");
+            assert_eq!(failed_step(&chain), Some(step));
+            assert_eq!(chain.slot_left_open(), left_open, "failure at {step}");
+        }
+    }
+
+    #[test]
+    fn a_hard_linked_failure_lets_the_rest_run() {
+        let steps = [DurableStep::Unlink, DurableStep::FsyncDir];
+        for skip_success in [false, true] {
+            let mut chain = ChainState::new(plan(&steps, Flags::IO_HARDLINK, skip_success));
+            chain.record(0, -libc::ENOENT);
+            assert!(!chain.finished(skip_success), "the fsync still runs");
+            chain.record(1, 0);
+            assert!(chain.finished(skip_success));
+            assert_eq!(
+                step_of(chain.outcome(&path())),
+                None,
+                "already gone is fine"
+            );
+
+            let mut chain = ChainState::new(plan(&steps, Flags::IO_HARDLINK, skip_success));
+            record_all(&mut chain, &[(0, -libc::ENOENT), (1, -libc::EIO)]);
+            assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::FsyncDir));
+
+            let mut chain = ChainState::new(plan(&steps, Flags::IO_HARDLINK, skip_success));
+            record_all(&mut chain, &[(0, -libc::EACCES), (1, 0)]);
+            assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::Unlink));
+        }
+    }
+
+    #[test]
+    fn a_configfs_failure_names_the_operation_of_the_plan() {
+        let ops = vec![
+            Op::Mkdir { path: "a".into() },
+            Op::Write {
+                path: "a/attr".into(),
+                value: "1".into(),
+            },
+        ];
+        let single = CfgStep {
+            op: 0,
+            part: CfgPart::Single,
+        };
+        let part = |part| CfgStep { op: 1, part };
+        let steps = [
+            single,
+            part(CfgPart::Open),
+            part(CfgPart::Write),
+            part(CfgPart::Close),
+        ];
+        let mut chain = ChainState::new(plan(&steps, Flags::IO_LINK, true));
+        chain.record(1, -libc::ENOENT);
+        assert!(chain.finished(true));
+        assert!(
+            !chain.slot_left_open(),
+            "the open failed: nothing installed"
+        );
+        let err = chain.outcome(&ops).unwrap_err();
+        assert_eq!(err.index, 1);
+        assert_eq!(err.op, ops[1]);
+        assert_eq!(err.source.raw_os_error(), Some(libc::ENOENT));
+    }
+
+    fn group() -> Group {
+        let tmp = tempfile::tempdir().unwrap();
+        Group::new(DurableDir::open(tmp.path()).unwrap())
+    }
+
+    #[test]
+    fn group_replies_wait_for_the_shared_fsync() {
+        let mut group = group();
+        group.add_member();
+        group.add_member();
+        let (first, mut first_rx) = oneshot::channel();
+        let (second, mut second_rx) = oneshot::channel();
+        assert!(!group.member_finished(first, path(), Ok(())));
+        assert!(
+            group.member_finished(second, path(), Ok(())),
+            "all done: fsync"
+        );
+        assert!(
+            first_rx.try_recv().is_err(),
+            "held until the fsync completes"
+        );
+        for (reply, result) in group.complete(Ok(())) {
+            reply.send(result).unwrap();
+        }
+        assert!(first_rx.try_recv().unwrap().is_ok());
+        assert!(second_rx.try_recv().unwrap().is_ok());
+    }
+
+    #[test]
+    fn a_failed_shared_fsync_fails_every_member_and_own_errors_stay() {
+        let mut group = group();
+        group.add_member();
+        group.add_member();
+        let (good, _good_rx) = oneshot::channel();
+        let (bad, _bad_rx) = oneshot::channel();
+        let own = EngineError::Step {
+            step: DurableStep::Rename,
+            path: path(),
+            source: io::Error::from_raw_os_error(libc::EISDIR),
+        };
+        group.member_finished(good, path(), Ok(()));
+        group.member_finished(bad, path(), Err(own));
+        let steps: Vec<Option<DurableStep>> = group
+            .complete(Err(io::Error::from_raw_os_error(libc::EIO)))
+            .into_iter()
+            .map(|(_, result)| step_of(result))
+            .collect();
+        assert_eq!(
+            steps,
+            [Some(DurableStep::FsyncDir), Some(DurableStep::Rename)]
+        );
+    }
+
+    #[test]
+    fn an_empty_group_has_no_members() {
+        let mut group = group();
+        assert!(!group.has_members());
+        group.add_member();
+        assert!(group.has_members());
+    }
+}
