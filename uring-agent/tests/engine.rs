@@ -288,15 +288,15 @@ async fn a_configfs_plan_stops_at_the_first_failure() {
     }
 }
 
-// Concurrent requests are independent chains: one request failing (its temp path is a
-// directory, so the open fails) cancels nothing of the others submitted with it.
+// Concurrent requests are independent chains: one request failing (its target is a directory,
+// so the rename fails) cancels nothing of the others submitted with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_failing_request_does_not_cancel_its_neighbours() {
     for engine in engines(no_fault()) {
         let engine = Arc::new(engine);
         let tmp = tempfile::tempdir().unwrap();
         let dir = DurableDir::open(tmp.path()).unwrap();
-        std::fs::create_dir(dir.path().join(".poisoned.json.tmp")).unwrap();
+        std::fs::create_dir(dir.path().join("poisoned.json")).unwrap();
         for round in 0..5 {
             let tasks: Vec<_> = (0..32)
                 .map(|i| {
@@ -405,5 +405,71 @@ async fn a_busy_queue_is_retried() {
             .expect("not stuck")
             .unwrap();
         assert_eq!(listing(dir.path()), vec!["c"]);
+    }
+}
+
+// Each replace writes its own temp file: two replaces of one file at once (on io_uring, in one
+// group-commit round) both succeed, the file ends with one whole content, and no temp file is
+// left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_replaces_of_one_file_do_not_share_a_temp_file() {
+    let a = vec![b'a'; 256 * 1024];
+    let b = vec![b'b'; 256 * 1024 + 1];
+    for engine in engines(no_fault()) {
+        let engine = Arc::new(engine);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        for round in 0..20 {
+            let tasks: Vec<_> = [a.clone(), b.clone()]
+                .into_iter()
+                .map(|contents| {
+                    let (engine, dir) = (Arc::clone(&engine), Arc::clone(&dir));
+                    tokio::spawn(
+                        async move { engine.replace_file(&dir, "same.json", contents).await },
+                    )
+                })
+                .collect();
+            for t in tasks {
+                t.await
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("{} round {round}: {e}", engine.name()));
+            }
+            let now = std::fs::read(dir.path().join("same.json")).unwrap();
+            assert!(
+                now == a || now == b,
+                "{} round {round}: torn file of {} bytes",
+                engine.name(),
+                now.len()
+            );
+            assert_eq!(listing(dir.path()), vec!["same.json"], "{}", engine.name());
+        }
+    }
+}
+
+// A replace that fails before its rename removes its temp file (an injected failure at every
+// step). Checked once the engine is dropped, as the io_uring engine tidies up after answering.
+#[tokio::test]
+async fn a_failed_replace_leaves_no_temp_file() {
+    for step in DurableStep::REPLACE {
+        for engine in engines(FaultInjection {
+            fail_at: Some(step),
+        }) {
+            let name = engine.name();
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = DurableDir::open(tmp.path()).unwrap();
+            std::fs::write(dir.path().join("m.json"), b"OLD").unwrap();
+            for _ in 0..3 {
+                engine
+                    .replace_file(&dir, "m.json", b"NEW".to_vec())
+                    .await
+                    .unwrap_err();
+            }
+            drop(engine);
+            assert_eq!(
+                listing(dir.path()),
+                vec!["m.json"],
+                "{name}: failure at {step}"
+            );
+        }
     }
 }

@@ -23,8 +23,8 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use pillar_nvmet::{ApplyError, Op};
 
@@ -130,9 +130,19 @@ fn c_path(path: &Path) -> Result<CString, EngineError> {
     })
 }
 
-/// The temp file name used while replacing `name`. Hidden, so listings of marks skip it.
+/// A fresh temp file name for one replace of `name`: `.{name}.{process}-{n}.tmp`, where
+/// `process` is 64 random bits drawn once per process and `n` counts the process's replaces. No
+/// two writes share a temp file, even of one file at once or across restarts (a crashed run's
+/// leftovers keep their own names), and no randomness is drawn per write.
+///
+/// Hidden (a leading `.`), so whatever lists a directory of marks or records skips it; engines
+/// remove it when a replace fails before its rename, and only a crash mid-write leaves one.
 pub fn temp_name(name: &str) -> String {
-    format!(".{name}.tmp")
+    static PROCESS: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!(".{name}.{process:016x}-{n}.tmp")
 }
 
 /// Counters every engine keeps (for metrics and the syscall comparison in benchmarks).
@@ -237,5 +247,24 @@ impl Engine {
             Self::Uring(e) => e.apply_configfs(root, ops).await,
             Self::Sync(e) => e.apply_configfs(root, ops).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_replace_gets_its_own_hidden_temp_name() {
+        let first = temp_name("v1.json");
+        let second = temp_name("v1.json");
+        assert_ne!(first, second);
+        for name in [&first, &second] {
+            assert!(name.starts_with(".v1.json."), "{name}");
+            assert!(name.ends_with(".tmp"), "{name}");
+        }
+        // The same process part, a different count.
+        let process = |n: &str| n.split('-').next().map(str::to_owned);
+        assert_eq!(process(&first), process(&second));
     }
 }

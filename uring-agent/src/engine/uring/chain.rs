@@ -17,7 +17,7 @@ use io_uring::opcode;
 use io_uring::squeue::{Entry, Flags};
 use io_uring::types::{Fd, Fixed};
 
-use super::flight::{CfgPart, CfgStep, ChainState, FlightId, Planned, Slot, user_data};
+use super::flight::{CfgPart, CfgStep, ChainState, Cleanup, FlightId, Planned, Slot, user_data};
 use super::job::{CfgOp, ReplaceData};
 use super::queue::FdOnly;
 use crate::engine::{DurableStep, FaultInjection};
@@ -123,13 +123,14 @@ pub(super) fn replace(
 ) -> Chain<DurableStep> {
     let dir = Fd(dirfd);
     let file = Fixed(slot.index());
-    // No O_CLOEXEC: the kernel refuses it for direct descriptors (they are never in the
-    // process's fd table, so there is nothing to leak across exec).
+    // The temp name is this write's own: O_EXCL, never someone else's file. No O_CLOEXEC: the
+    // kernel refuses it for direct descriptors (they are never in the process's fd table, so
+    // there is nothing to leak across exec).
     let steps = [
         (
             DurableStep::Open,
             opcode::OpenAt::new(dir, data.tmp.as_ptr())
-                .flags(libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC)
+                .flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
                 .mode(0o600)
                 .file_index(Some(slot.dest()))
                 .build(),
@@ -200,9 +201,26 @@ pub(super) fn group_fsync(id: FlightId, dirfd: RawFd, fault: FaultInjection) -> 
     group_fsync_entry(dirfd, fault).user_data(user_data(id, 0))
 }
 
-/// The close of a descriptor a failed chain left in `slot`, as cleanup `id`.
-pub(super) fn cleanup_close(id: FlightId, slot: &Slot) -> FdOnly {
-    FdOnly::close_slot(slot).user_data(user_data(id, 0))
+/// The entries of cleanup `id`: close of the descriptor a failed chain left in its slot, then
+/// unlink of the temp file it left. Hard-linked (the unlink runs whatever the close did), and
+/// every entry posts its completion.
+pub(super) fn cleanup(id: FlightId, cleanup: &Cleanup) -> Vec<Entry> {
+    let mut chain = Builder::new();
+    if cleanup.close_slot
+        && let Some(slot) = &cleanup.slot
+    {
+        chain.add(
+            (),
+            FdOnly::close_slot(slot).into_entry(),
+            Flags::IO_HARDLINK,
+            None,
+        );
+    }
+    if let Some(temp) = &cleanup.temp {
+        let unlink = opcode::UnlinkAt::new(Fd(temp.dir.raw_fd()), temp.name.as_ptr()).build();
+        chain.add((), unlink, Flags::IO_HARDLINK, None);
+    }
+    chain.seal(id, false).entries
 }
 
 /// Where the segment of a plan of `len` operations that starts at `next` ends.
@@ -512,5 +530,42 @@ mod tests {
             next = end;
         }
         assert_eq!(segments, [MAX_OPS_PER_CHAIN, MAX_OPS_PER_CHAIN, 5]);
+    }
+
+    #[test]
+    fn a_cleanup_closes_the_slot_then_unlinks_the_temp_file_each_with_a_completion() {
+        use std::sync::Arc;
+
+        use crate::engine::DurableDir;
+        use crate::engine::uring::flight::TempFile;
+
+        let tmp = tempfile::tempdir().unwrap();
+        let dir: Arc<DurableDir> = DurableDir::open(tmp.path()).unwrap();
+        let cleanup = Cleanup {
+            slot: Some(slot()),
+            close_slot: true,
+            temp: Some(TempFile {
+                dir,
+                name: cfg(".a.json.1-0.tmp"),
+            }),
+            remaining: 0,
+        };
+        let entries = super::cleanup(id(), &cleanup);
+        let ops: Vec<u8> = entries
+            .iter()
+            .map(|e| u8::try_from(e.get_opcode()).unwrap())
+            .collect();
+        assert_eq!(ops, [opcode::Close::CODE, opcode::UnlinkAt::CODE]);
+        let user: Vec<u64> = entries.iter().map(Entry::get_user_data).collect();
+        assert_eq!(user, [user_data(id(), 0), user_data(id(), 1)]);
+        // Hard-linked, and no SKIP_SUCCESS: the unlink runs whatever the close did, and both
+        // post their completion.
+        let shown = format!("{:?}", entries[0]);
+        let hard = Flags::IO_HARDLINK.bits();
+        assert!(shown.contains(&format!("flags: {hard},")), "{shown}");
+
+        let only_slot = Cleanup::of_slot(slot(), true);
+        assert_eq!(super::cleanup(id(), &only_slot).len(), 1);
+        assert!(!Cleanup::of_slot(slot(), false).needs_ring());
     }
 }

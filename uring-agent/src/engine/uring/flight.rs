@@ -4,6 +4,7 @@
 //! A completion's user data is `(id << 16) | index`: the chain (or group fsync, or cleanup) it
 //! belongs to, and the entry's position in that chain.
 
+use std::ffi::CString;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -333,6 +334,17 @@ impl ChainState<DurableStep> {
     }
 }
 
+impl ChainState<DurableStep> {
+    /// Whether a finished replace chain installed its temp file: otherwise the temp file may
+    /// still be there (even a failed open may have created it).
+    pub(super) fn renamed(&self) -> bool {
+        self.planned
+            .iter()
+            .position(|p| p.step == DurableStep::Rename)
+            .is_some_and(|index| self.succeeded(index))
+    }
+}
+
 impl ChainState<CfgStep> {
     /// The outcome of a finished configfs chain of the plan `ops`.
     pub(super) fn outcome(&self, ops: &[Op]) -> Result<(), ApplyError> {
@@ -365,11 +377,38 @@ pub(super) struct ConfigfsFlight {
     pub slot: Slot,
 }
 
-/// Entries that tidy up after a failed chain: close of a descriptor it left installed in its
-/// slot. Every entry posts a completion (none skips it), so counting them says when it is done.
+/// The temp file of a failed replace, to remove. Holds the name the unlink entry points into,
+/// and the directory it names.
+pub(super) struct TempFile {
+    pub dir: Arc<DurableDir>,
+    pub name: CString,
+}
+
+/// What a finished chain leaves to tidy: its slot (closing first a file it left there), and a
+/// temp file it left behind.
 pub(super) struct Cleanup {
-    pub slot: Slot,
+    pub slot: Option<Slot>,
+    pub close_slot: bool,
+    pub temp: Option<TempFile>,
+    /// Completions still to come. Every entry of a cleanup posts one (none skips it).
     pub remaining: usize,
+}
+
+impl Cleanup {
+    /// Returning `slot`, closing the file a chain left in it first if `close_slot`.
+    pub(super) fn of_slot(slot: Slot, close_slot: bool) -> Self {
+        Self {
+            slot: Some(slot),
+            close_slot,
+            temp: None,
+            remaining: 0,
+        }
+    }
+
+    /// Whether there is anything to do in the ring (otherwise the slot just goes back).
+    pub(super) fn needs_ring(&self) -> bool {
+        self.close_slot || self.temp.is_some()
+    }
 }
 
 /// Durable requests for one directory started in the same round, sharing one directory fsync.

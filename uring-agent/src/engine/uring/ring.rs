@@ -9,6 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::RawFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, TryRecvError};
 
@@ -16,10 +17,10 @@ use io_uring::squeue::Entry;
 
 use super::chain::{self, ChainOptions};
 use super::flight::{
-    Cleanup, ConfigfsFlight, DurableFlight, FlightId, Group, Ids, Slot, SlotPool, Tag, cqe_result,
-    decode,
+    Cleanup, ConfigfsFlight, DurableFlight, FlightId, Group, Ids, Slot, SlotPool, Tag, TempFile,
+    cqe_result, decode,
 };
-use super::job::{ConfigfsJob, DurableJob, DurableKind, Job, answer};
+use super::job::{ConfigfsJob, DurableJob, DurableKind, Job, Reply, answer};
 use super::queue::{PushError, Queue};
 use crate::engine::{DurableStep, EngineError, EngineStats};
 
@@ -72,8 +73,8 @@ pub(super) struct RingThread {
     cleanups: HashMap<FlightId, Cleanup>,
     /// Groups whose directory fsync waits for room in the queue.
     due_fsyncs: Vec<FlightId>,
-    /// Slots whose cleanup close waits for room in the queue.
-    due_cleanups: Vec<Slot>,
+    /// Cleanups waiting for room in the queue.
+    due_cleanups: Vec<Cleanup>,
     /// The kernel refused entries this round (busy): push nothing more until completions were
     /// reaped.
     busy: bool,
@@ -173,8 +174,8 @@ impl RingThread {
         for gid in std::mem::take(&mut self.due_fsyncs) {
             self.push_group_fsync(gid);
         }
-        for slot in std::mem::take(&mut self.due_cleanups) {
-            self.close_left_open(slot);
+        for cleanup in std::mem::take(&mut self.due_cleanups) {
+            self.push_cleanup(cleanup);
         }
     }
 
@@ -350,8 +351,9 @@ impl RingThread {
             cleanup.remaining = cleanup.remaining.saturating_sub(1);
             if cleanup.remaining == 0
                 && let Some(cleanup) = self.cleanups.remove(&id)
+                && let Some(slot) = cleanup.slot
             {
-                self.slots.put(cleanup.slot);
+                self.slots.put(slot);
             }
         } else {
             tracing::warn!(?id, index, res, "io_uring completion of no known request");
@@ -365,37 +367,59 @@ impl RingThread {
             slot,
             group,
         } = flight;
-        let result = chain.outcome(&job.path);
-        if let Some(slot) = slot {
-            self.release_slot(slot, chain.slot_left_open());
-        }
+        let DurableJob {
+            dir,
+            path,
+            kind,
+            reply,
+        } = job;
+        let result = chain.outcome(&path);
+        let temp = match kind {
+            DurableKind::Replace(data) if !chain.renamed() => Some(TempFile {
+                dir,
+                name: data.tmp,
+            }),
+            _ => None,
+        };
+        self.tidy(Cleanup {
+            slot,
+            close_slot: chain.slot_left_open(),
+            temp,
+            remaining: 0,
+        });
         match group {
             None => {
                 if result.is_ok() {
                     EngineStats::add(&self.stats.durable_ops, 1);
                     EngineStats::add(&self.stats.dir_fsyncs, 1);
                 }
-                answer(job.reply, result);
+                answer(reply, result);
             }
-            Some(gid) => self.member_done(gid, job, result),
+            Some(gid) => self.member_done(gid, reply, path, result),
         }
     }
 
     /// A group member's chain finished: its reply joins the group's, and the directory fsync
     /// starts once every member is done.
-    fn member_done(&mut self, gid: FlightId, job: DurableJob, result: Result<(), EngineError>) {
+    fn member_done(
+        &mut self,
+        gid: FlightId,
+        reply: Reply,
+        path: PathBuf,
+        result: Result<(), EngineError>,
+    ) {
         let Some(group) = self.groups.get_mut(&gid) else {
             // A group outlives its members' chains; should it not, the rename is not durable.
             tracing::error!(?gid, "a group-commit member outlived its group");
             let lost = EngineError::Step {
                 step: DurableStep::FsyncDir,
-                path: job.path,
+                path,
                 source: io::Error::other("the shared directory fsync was lost"),
             };
-            answer(job.reply, result.and(Err(lost)));
+            answer(reply, result.and(Err(lost)));
             return;
         };
-        if group.member_finished(job.reply, job.path, result) {
+        if group.member_finished(reply, path, result) {
             self.push_group_fsync(gid);
         }
     }
@@ -446,7 +470,7 @@ impl RingThread {
             let start = if left_open {
                 // A successful segment closed every file it opened; should it not, the next
                 // segment waits for a fresh slot.
-                self.release_slot(slot, true);
+                self.tidy(Cleanup::of_slot(slot, true));
                 Start::Later(job)
             } else {
                 self.start_segment(job, slot)
@@ -456,40 +480,44 @@ impl RingThread {
             }
             return;
         }
-        self.release_slot(slot, left_open);
+        self.tidy(Cleanup::of_slot(slot, left_open));
         if result.is_ok() {
             EngineStats::add(&self.stats.configfs_plans, 1);
         }
         answer(job.reply, result.map_err(EngineError::Configfs));
     }
 
-    /// Returns `slot` to the pool, closing first the file a failed chain left in it.
-    fn release_slot(&mut self, slot: Slot, left_open: bool) {
-        if left_open {
-            self.close_left_open(slot);
-        } else {
+    /// Returns a finished chain's slot to the pool, after closing a file it left in the slot
+    /// and removing a temp file it left behind.
+    fn tidy(&mut self, cleanup: Cleanup) {
+        if cleanup.needs_ring() {
+            self.push_cleanup(cleanup);
+        } else if let Some(slot) = cleanup.slot {
             self.slots.put(slot);
         }
     }
 
-    fn close_left_open(&mut self, slot: Slot) {
+    fn push_cleanup(&mut self, mut cleanup: Cleanup) {
         if self.busy {
-            self.due_cleanups.push(slot);
+            self.due_cleanups.push(cleanup);
             return;
         }
         let id = self.ids.next();
-        match self.queue.push_fd_only(chain::cleanup_close(id, &slot)) {
-            Ok(()) => {
-                self.cleanups.insert(id, Cleanup { slot, remaining: 1 });
-            }
-            Err(PushError::Busy) => {
+        let entries = chain::cleanup(id, &cleanup);
+        cleanup.remaining = entries.len();
+        match push_owned(&mut self.queue, &mut self.cleanups, id, cleanup, &entries) {
+            Ok(()) => {}
+            Err((PushError::Busy, cleanup)) => {
                 self.busy = true;
-                self.due_cleanups.push(slot);
+                self.due_cleanups.push(cleanup);
             }
-            Err(PushError::Failed(e)) => {
-                // The next openat into the slot replaces, and so closes, the file left in it.
-                tracing::warn!(error = %e, "could not close a descriptor a failed chain left open");
-                self.slots.put(slot);
+            Err((PushError::Failed(e), cleanup)) => {
+                // The next openat into the slot replaces, and so closes, a file left in it; a
+                // temp file stays behind (hidden, and named for this write only).
+                tracing::warn!(error = %e, "could not tidy up after a failed chain");
+                if let Some(slot) = cleanup.slot {
+                    self.slots.put(slot);
+                }
             }
         }
     }
