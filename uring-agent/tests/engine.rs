@@ -447,7 +447,8 @@ async fn concurrent_replaces_of_one_file_do_not_share_a_temp_file() {
 }
 
 // A replace that fails before its rename removes its temp file (an injected failure at every
-// step). Checked once the engine is dropped, as the io_uring engine tidies up after answering.
+// step, and a real one: a directory in the way of the rename). Checked once the engine is
+// dropped, as the io_uring engine tidies up after answering.
 #[tokio::test]
 async fn a_failed_replace_leaves_no_temp_file() {
     for step in DurableStep::REPLACE {
@@ -471,5 +472,92 @@ async fn a_failed_replace_leaves_no_temp_file() {
                 "{name}: failure at {step}"
             );
         }
+    }
+    for engine in engines(no_fault()) {
+        let name = engine.name();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        std::fs::create_dir(dir.path().join("d.json")).unwrap();
+        let err = engine
+            .replace_file(&dir, "d.json", b"NEW".to_vec())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EngineError::Step {
+                    step: DurableStep::Rename,
+                    ..
+                }
+            ),
+            "{name}: {err}"
+        );
+        drop(engine);
+        assert_eq!(listing(dir.path()), vec!["d.json"], "{name}");
+    }
+}
+
+// The kernel does not cancel the rest of a linked chain when an mkdirat, symlinkat or unlinkat
+// fails (nor post the failure when asked to skip successful completions): a plan must still
+// stop at such a failure, and report it.
+#[tokio::test]
+async fn a_configfs_plan_stops_at_a_failed_directory_operation() {
+    let failing = [
+        Op::Mkdir { path: "a".into() },
+        Op::Symlink {
+            target: "a".into(),
+            link: "a".into(),
+        },
+        Op::Rmdir {
+            path: "missing".into(),
+        },
+        Op::Unlink {
+            path: "missing".into(),
+        },
+    ];
+    for bad in failing {
+        for engine in engines(no_fault()) {
+            let tmp = tempfile::tempdir().unwrap();
+            let root = DurableDir::open(tmp.path()).unwrap();
+            std::fs::create_dir(tmp.path().join("a")).unwrap();
+            let ops = vec![
+                Op::Mkdir { path: "x".into() },
+                bad.clone(),
+                Op::Mkdir { path: "y".into() },
+            ];
+            let err = engine.apply_configfs(&root, ops).await.unwrap_err();
+            let EngineError::Configfs(apply) = err else {
+                panic!("{}: {err}", engine.name())
+            };
+            assert_eq!(apply.index, 1, "{} {bad:?}", engine.name());
+            assert!(tmp.path().join("x").is_dir());
+            assert!(
+                !tmp.path().join("y").exists(),
+                "{} {bad:?}: nothing after the failure ran",
+                engine.name()
+            );
+        }
+    }
+}
+
+// A removal whose unlink fails otherwise than "already gone" reports it.
+#[tokio::test]
+async fn a_failed_removal_is_reported() {
+    for engine in engines(no_fault()) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        std::fs::create_dir(dir.path().join("d.json")).unwrap();
+        let err = engine.remove_file(&dir, "d.json").await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EngineError::Step {
+                    step: DurableStep::Unlink,
+                    ..
+                }
+            ),
+            "{}: {err}",
+            engine.name()
+        );
     }
 }

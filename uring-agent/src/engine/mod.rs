@@ -3,15 +3,16 @@
 //!
 //! Two engines pass the same test suite:
 //! - [`uring::UringEngine`]: one io_uring fed by every concurrent request. A durable replace is
-//!   one linked chain (open, write, fsync, close, rename, fsync of the directory); concurrent
-//!   replaces in one directory share a submission and one directory fsync (group commit).
-//!   configfs plans go in as linked chains, one submission per plan.
+//!   two linked chains (open, write, fsync, close; then rename, fsync of the directory);
+//!   concurrent replaces in one directory share submissions and one directory fsync (group
+//!   commit). configfs plans go in as linked chains, each ending at a directory operation.
 //! - [`sync::SyncEngine`]: plain blocking syscalls on tokio's blocking pool, for hosts where
 //!   io_uring is disabled or blocked by a seccomp profile.
 //!
 //! Invariants both keep:
-//! - A replace either leaves the old file or installs the complete new one (rename is atomic);
-//!   success is reported only after the directory fsync, so a reported success survives a crash.
+//! - A replace writes its own temp file ([`temp_name`]), then either leaves the old file or
+//!   installs the complete new one (rename is atomic); success is reported only after the
+//!   directory fsync, so a reported success survives a crash.
 //! - A configfs plan stops at the first failed operation; later operations never run.
 
 pub mod sync;

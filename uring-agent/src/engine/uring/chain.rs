@@ -1,14 +1,26 @@
 //! Chain builders, free of any ring access: from a request's data they make the entries, each
 //! tagged with its step, its expected write length and the flags that link it to the next one.
 //!
-//! - A replace is `openat (into the slot) -> write -> fsync -> close -> renameat -> fsync(dir)`;
-//!   a removal is `unlinkat =>(hard link) fsync(dir)`. In a group-commit group the directory
-//!   fsync is left out: the group shares one.
-//! - A configfs segment runs up to [`MAX_OPS_PER_CHAIN`] operations of a plan; an attribute
-//!   write is `openat -> write -> close` on the segment's slot.
+//! What a link guarantees depends on the opcode. A failed `openat`, `write` or `close` marks
+//! itself failed: the kernel cancels the entries linked after it. A failed `fsync`, `renameat`,
+//! `unlinkat`, `mkdirat` or `symlinkat` does not (Linux 6.x stores their result without marking
+//! the request failed): the next entry runs anyway, and with `SKIP_SUCCESS` even the failure's
+//! completion is skipped. So:
+//! - `SKIP_SUCCESS` goes only on entries whose failure cancels the rest
+//!   ([`failure_cancels_links`]); the others always post their completion.
+//! - A chain ends after such an entry whenever what follows must not run after its failure.
 //!
-//! Every entry but the last is linked to the next one and, where the kernel supports it, posts
-//! no completion on success, so a successful chain wakes the ring thread once.
+//! Hence:
+//! - A replace is two chains: prepare, `openat (into the slot) -> write -> fsync -> close`, and,
+//!   once every step of it succeeded, install, `renameat -> fsync(dir)`. A removal is `unlinkat
+//!   =>(hard link) fsync(dir)`. In a group-commit group the directory fsync is left out: the
+//!   group shares one.
+//! - A configfs segment runs attribute writes (`openat -> write -> close` on the segment's slot)
+//!   and ends after its first other operation (mkdir, symlink, unlink, rmdir), or after
+//!   [`MAX_OPS_PER_CHAIN`] operations.
+//!
+//! Every entry but the last is linked to the next one, so a successful chain whose entries all
+//! cancel on failure wakes the ring thread once.
 
 use std::ffi::CStr;
 use std::os::fd::RawFd;
@@ -69,23 +81,19 @@ impl<S: Copy> Builder<S> {
     }
 
     /// Sets user data `(id, index)` on every entry, and on every entry but the last its link
-    /// and, with `skip_success`, `SKIP_SUCCESS`.
+    /// and, with `skip_success`, `SKIP_SUCCESS` where a failure cancels the rest.
     fn seal(self, id: FlightId, skip_success: bool) -> Chain<S> {
         let n = self.entries.len();
-        let skip = if skip_success {
-            Flags::SKIP_SUCCESS
-        } else {
-            Flags::empty()
-        };
         let (entries, planned) = self
             .entries
             .into_iter()
             .enumerate()
             .map(|(i, (step, entry, link, write_len))| {
-                let flags = if i + 1 < n {
-                    link | skip
-                } else {
-                    Flags::empty()
+                let skip = skip_success && failure_cancels_links(entry.get_opcode());
+                let flags = match (i + 1 < n, skip) {
+                    (false, _) => Flags::empty(),
+                    (true, false) => link,
+                    (true, true) => link | Flags::SKIP_SUCCESS,
                 };
                 let index = u16::try_from(i).expect("chains are shorter than 2^16 entries");
                 let entry = entry.user_data(user_data(id, index)).flags(flags);
@@ -103,6 +111,21 @@ impl<S: Copy> Builder<S> {
     }
 }
 
+/// Whether a failure of an entry with this opcode cancels the entries linked after it (and,
+/// with `SKIP_SUCCESS`, still posts its own completion). Linux 6.x marks failures of `openat`,
+/// `read`/`write` and `close` but only stores the result of `fsync`, `renameat`, `unlinkat`,
+/// `mkdirat` and `symlinkat`: after one of those fails the chain runs on.
+pub(super) fn failure_cancels_links(opcode: u32) -> bool {
+    let unmarked = [
+        opcode::Fsync::CODE,
+        opcode::RenameAt::CODE,
+        opcode::UnlinkAt::CODE,
+        opcode::MkDirAt::CODE,
+        opcode::SymlinkAt::CODE,
+    ];
+    !unmarked.iter().any(|code| u32::from(*code) == opcode)
+}
+
 /// `entry`, or in its place an entry that always fails when fault injection fails `step`.
 fn or_injected(step: DurableStep, entry: Entry, fault: FaultInjection) -> Entry {
     if fault.fail_at == Some(step) {
@@ -112,16 +135,16 @@ fn or_injected(step: DurableStep, entry: Entry, fault: FaultInjection) -> Entry 
     }
 }
 
-/// The chain of a replace of `data.name` in the directory `dirfd`, through `slot`.
-pub(super) fn replace(
+/// The first chain of a replace: the new content into this write's temp file in `dirfd`,
+/// through `slot`, made durable and closed. Its fsync does not cancel the close when it fails
+/// (the slot is closed either way); the chain ends there, so nothing is renamed after a failure.
+pub(super) fn prepare(
     id: FlightId,
     data: &ReplaceData,
     dirfd: RawFd,
     slot: &Slot,
-    grouped: bool,
     options: ChainOptions,
 ) -> Chain<DurableStep> {
-    let dir = Fd(dirfd);
     let file = Fixed(slot.index());
     // The temp name is this write's own: O_EXCL, never someone else's file. No O_CLOEXEC: the
     // kernel refuses it for direct descriptors (they are never in the process's fd table, so
@@ -129,7 +152,7 @@ pub(super) fn replace(
     let steps = [
         (
             DurableStep::Open,
-            opcode::OpenAt::new(dir, data.tmp.as_ptr())
+            opcode::OpenAt::new(Fd(dirfd), data.tmp.as_ptr())
                 .flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
                 .mode(0o600)
                 .file_index(Some(slot.dest()))
@@ -143,21 +166,31 @@ pub(super) fn replace(
         ),
         (DurableStep::Fsync, opcode::Fsync::new(file).build()),
         (DurableStep::Close, FdOnly::close_slot(slot).into_entry()),
-        (
-            DurableStep::Rename,
-            opcode::RenameAt::new(dir, data.tmp.as_ptr(), dir, data.name.as_ptr()).build(),
-        ),
     ];
     let mut chain = Builder::new();
     for (step, entry) in steps {
         let write_len = (step == DurableStep::Write).then_some(data.len);
-        chain.add(
-            step,
-            or_injected(step, entry, options.fault),
-            Flags::IO_LINK,
-            write_len,
-        );
+        let entry = or_injected(step, entry, options.fault);
+        chain.add(step, entry, Flags::IO_LINK, write_len);
     }
+    chain.seal(id, options.skip_success)
+}
+
+/// The second chain of a replace, once the prepared temp file is durable: rename it over the
+/// file, then (unless grouped) fsync the directory. A failed rename does not cancel the fsync,
+/// which is harmless; its completion says it failed.
+pub(super) fn install(
+    id: FlightId,
+    data: &ReplaceData,
+    dirfd: RawFd,
+    grouped: bool,
+    options: ChainOptions,
+) -> Chain<DurableStep> {
+    let dir = Fd(dirfd);
+    let rename = opcode::RenameAt::new(dir, data.tmp.as_ptr(), dir, data.name.as_ptr()).build();
+    let mut chain = Builder::new();
+    let rename = or_injected(DurableStep::Rename, rename, options.fault);
+    chain.add(DurableStep::Rename, rename, Flags::IO_LINK, None);
     if !grouped {
         add_dir_fsync(&mut chain, dirfd, options.fault);
     }
@@ -223,13 +256,21 @@ pub(super) fn cleanup(id: FlightId, cleanup: &Cleanup) -> Vec<Entry> {
     chain.seal(id, false).entries
 }
 
-/// Where the segment of a plan of `len` operations that starts at `next` ends.
-pub(super) fn segment_end(next: usize, len: usize) -> usize {
-    next.saturating_add(MAX_OPS_PER_CHAIN).min(len)
+/// Where the segment of `ops` that starts at `next` ends: after its first operation other than
+/// an attribute write (whose failure would not stop the rest), or after [`MAX_OPS_PER_CHAIN`]
+/// operations, or at the end of the plan.
+pub(super) fn segment_end(ops: &[CfgOp], next: usize) -> usize {
+    let limit = next.saturating_add(MAX_OPS_PER_CHAIN).min(ops.len());
+    ops.iter()
+        .enumerate()
+        .take(limit)
+        .skip(next)
+        .find(|(_, op)| !matches!(op, CfgOp::Write { .. }))
+        .map_or(limit, |(i, _)| i + 1)
 }
 
-/// The chain of operations `next..segment_end(next, ops.len())` of a configfs plan against the
-/// tree open at `rootfd`, writing attributes through `slot`.
+/// The chain of operations `next..segment_end(ops, next)` of a configfs plan against the tree
+/// open at `rootfd`, writing attributes through `slot`.
 pub(super) fn configfs_segment(
     id: FlightId,
     ops: &[CfgOp],
@@ -239,7 +280,7 @@ pub(super) fn configfs_segment(
     skip_success: bool,
 ) -> Chain<CfgStep> {
     let root = Fd(rootfd);
-    let end = segment_end(next, ops.len());
+    let end = segment_end(ops, next);
     let mut chain = Builder::new();
     let single = |op| CfgStep {
         op,
@@ -333,7 +374,8 @@ mod tests {
             .collect()
     }
 
-    /// Every entry but the last carries `link` (and SKIP_SUCCESS when asked); the last nothing.
+    /// Every entry but the last carries `link`, and SKIP_SUCCESS when asked and its failure
+    /// cancels the rest; the last carries nothing. The planned flags are the entry's own.
     fn assert_links<S>(chain: &Chain<S>, link: &[Flags], skip_success: bool) {
         let n = chain.planned.len();
         for (i, (planned, entry)) in chain.planned.iter().zip(&chain.entries).enumerate() {
@@ -356,7 +398,7 @@ mod tests {
                 assert_eq!(planned.flags, Flags::empty(), "last entry {i}");
             } else {
                 let mut want = link[i];
-                if skip_success {
+                if skip_success && failure_cancels_links(entry.get_opcode()) {
                     want |= Flags::SKIP_SUCCESS;
                 }
                 assert_eq!(planned.flags, want, "entry {i}");
@@ -371,11 +413,36 @@ mod tests {
         }
     }
 
+    fn skip_flags<S>(chain: &Chain<S>) -> Vec<bool> {
+        let skips = |p: &Planned<S>| p.flags.contains(Flags::SKIP_SUCCESS);
+        chain.planned.iter().map(skips).collect()
+    }
+
     #[test]
-    fn a_replace_is_open_write_fsync_close_rename_fsync_dir() {
+    fn only_openat_write_and_close_failures_cancel_a_chain() {
+        for code in [
+            opcode::OpenAt::CODE,
+            opcode::Write::CODE,
+            opcode::Close::CODE,
+        ] {
+            assert!(failure_cancels_links(code.into()));
+        }
+        for code in [
+            opcode::Fsync::CODE,
+            opcode::RenameAt::CODE,
+            opcode::UnlinkAt::CODE,
+            opcode::MkDirAt::CODE,
+            opcode::SymlinkAt::CODE,
+        ] {
+            assert!(!failure_cancels_links(code.into()));
+        }
+    }
+
+    #[test]
+    fn a_replace_prepares_open_write_fsync_close() {
         for skip_success in [false, true] {
-            let chain = replace(id(), &data(), DIRFD, &slot(), false, options(skip_success));
-            assert_eq!(steps(&chain), DurableStep::REPLACE);
+            let chain = prepare(id(), &data(), DIRFD, &slot(), options(skip_success));
+            assert_eq!(steps(&chain), DurableStep::REPLACE[..4]);
             assert_eq!(
                 opcodes(&chain),
                 [
@@ -383,24 +450,44 @@ mod tests {
                     opcode::Write::CODE,
                     opcode::Fsync::CODE,
                     opcode::Close::CODE,
-                    opcode::RenameAt::CODE,
-                    opcode::Fsync::CODE,
                 ]
             );
-            assert_links(&chain, &[Flags::IO_LINK; 5], skip_success);
+            assert_links(&chain, &[Flags::IO_LINK; 3], skip_success);
+            // The fsync always posts its completion: its failure cancels nothing.
+            assert_eq!(
+                skip_flags(&chain),
+                [skip_success, skip_success, false, false]
+            );
             assert_user_data(&chain, id());
             let write_len: Vec<Option<u32>> = chain.planned.iter().map(|p| p.write_len).collect();
-            assert_eq!(write_len, [None, Some(10), None, None, None, None]);
+            assert_eq!(write_len, [None, Some(10), None, None]);
+        }
+    }
+
+    #[test]
+    fn a_replace_installs_rename_then_fsync_dir() {
+        for skip_success in [false, true] {
+            let chain = install(id(), &data(), DIRFD, false, options(skip_success));
+            assert_eq!(steps(&chain), DurableStep::REPLACE[4..]);
+            assert_eq!(
+                opcodes(&chain),
+                [opcode::RenameAt::CODE, opcode::Fsync::CODE]
+            );
+            assert_links(&chain, &[Flags::IO_LINK], skip_success);
+            assert_eq!(
+                skip_flags(&chain),
+                [false, false],
+                "a failed rename must show"
+            );
+            assert_user_data(&chain, id());
         }
     }
 
     #[test]
     fn a_grouped_replace_leaves_the_directory_fsync_to_its_group() {
-        let chain = replace(id(), &data(), DIRFD, &slot(), true, options(true));
-        assert_eq!(steps(&chain), DurableStep::REPLACE[..5]);
-        assert_links(&chain, &[Flags::IO_LINK; 4], true);
-        let last = chain.planned.last().unwrap();
-        assert!(!last.flags.contains(Flags::SKIP_SUCCESS));
+        let chain = install(id(), &data(), DIRFD, true, options(true));
+        assert_eq!(steps(&chain), [DurableStep::Rename]);
+        assert_eq!(chain.planned[0].flags, Flags::empty());
     }
 
     #[test]
@@ -415,6 +502,11 @@ mod tests {
             );
             assert_links(&chain, &[Flags::IO_HARDLINK], skip_success);
             assert!(chain.planned[0].hard_link());
+            assert_eq!(
+                skip_flags(&chain),
+                [false, false],
+                "a failed unlink must show"
+            );
             assert_user_data(&chain, id());
 
             let grouped = remove(id(), &name, DIRFD, true, options(skip_success));
@@ -423,27 +515,26 @@ mod tests {
         }
     }
 
+    /// The opcodes of both chains of a replace, with `fault`.
+    fn replace_opcodes(fault: FaultInjection) -> (Vec<DurableStep>, Vec<u8>) {
+        let options = ChainOptions {
+            skip_success: true,
+            fault,
+        };
+        let first = prepare(id(), &data(), DIRFD, &slot(), options);
+        let second = install(id(), &data(), DIRFD, false, options);
+        let steps = [steps(&first), steps(&second)].concat();
+        (steps, [opcodes(&first), opcodes(&second)].concat())
+    }
+
     #[test]
     fn fault_injection_replaces_exactly_the_chosen_step() {
-        let clean = opcodes(&replace(
-            id(),
-            &data(),
-            DIRFD,
-            &slot(),
-            false,
-            options(true),
-        ));
+        let (_, clean) = replace_opcodes(FaultInjection::default());
         for (index, step) in DurableStep::REPLACE.into_iter().enumerate() {
-            let options = ChainOptions {
-                skip_success: true,
-                fault: FaultInjection {
-                    fail_at: Some(step),
-                },
-            };
-            let chain = replace(id(), &data(), DIRFD, &slot(), false, options);
-            assert_eq!(steps(&chain), DurableStep::REPLACE, "the plan is unchanged");
-            assert_user_data(&chain, id());
-            let got = opcodes(&chain);
+            let (steps, got) = replace_opcodes(FaultInjection {
+                fail_at: Some(step),
+            });
+            assert_eq!(steps, DurableStep::REPLACE, "the plan is unchanged");
             for (i, (got, clean)) in got.iter().zip(&clean).enumerate() {
                 if i == index {
                     // The always-failing close (for the close step itself, the same opcode on
@@ -476,55 +567,75 @@ mod tests {
             CfgOp::Unlink { path: cfg("b/a") },
             CfgOp::Rmdir { path: cfg("a") },
         ];
-        let chain = configfs_segment(id(), &ops, 0, DIRFD, &slot(), true);
-        let single = |op| CfgStep {
-            op,
-            part: CfgPart::Single,
+        let mut chains = Vec::new();
+        let mut next = 0;
+        while next < ops.len() {
+            chains.push(configfs_segment(id(), &ops, next, DIRFD, &slot(), true));
+            next = segment_end(&ops, next);
+        }
+        // Each operation whose failure would not stop the rest ends its segment.
+        let single = |op| {
+            vec![CfgStep {
+                op,
+                part: CfgPart::Single,
+            }]
         };
         let part = |part| CfgStep { op: 1, part };
+        let all: Vec<Vec<CfgStep>> = chains.iter().map(steps).collect();
         assert_eq!(
-            steps(&chain),
+            all,
             [
                 single(0),
-                part(CfgPart::Open),
-                part(CfgPart::Write),
-                part(CfgPart::Close),
-                single(2),
+                vec![
+                    part(CfgPart::Open),
+                    part(CfgPart::Write),
+                    part(CfgPart::Close),
+                    CfgStep {
+                        op: 2,
+                        part: CfgPart::Single
+                    },
+                ],
                 single(3),
                 single(4),
             ]
         );
+        let codes: Vec<Vec<u8>> = chains.iter().map(opcodes).collect();
         assert_eq!(
-            opcodes(&chain),
+            codes,
             [
-                opcode::MkDirAt::CODE,
-                opcode::OpenAt::CODE,
-                opcode::Write::CODE,
-                opcode::Close::CODE,
-                opcode::SymlinkAt::CODE,
-                opcode::UnlinkAt::CODE,
-                opcode::UnlinkAt::CODE,
+                vec![opcode::MkDirAt::CODE],
+                vec![
+                    opcode::OpenAt::CODE,
+                    opcode::Write::CODE,
+                    opcode::Close::CODE,
+                    opcode::SymlinkAt::CODE,
+                ],
+                vec![opcode::UnlinkAt::CODE],
+                vec![opcode::UnlinkAt::CODE],
             ]
         );
-        assert_eq!(chain.planned[2].write_len, Some(1));
-        assert_links(&chain, &[Flags::IO_LINK; 6], true);
-        assert_user_data(&chain, id());
+        assert_eq!(chains[1].planned[1].write_len, Some(1));
+        assert_links(&chains[1], &[Flags::IO_LINK; 3], true);
+        assert_user_data(&chains[1], id());
     }
 
     #[test]
     fn a_configfs_segment_runs_at_most_max_ops_per_chain_operations() {
         let len = 2 * MAX_OPS_PER_CHAIN + 5;
         let ops: Vec<CfgOp> = (0..len)
-            .map(|i| CfgOp::Mkdir {
-                path: cfg(&format!("d{i}")),
+            .map(|i| CfgOp::Write {
+                path: cfg(&format!("attr{i}")),
+                value: b"1".to_vec(),
+                len: 1,
             })
             .collect();
         let mut next = 0;
         let mut segments = Vec::new();
         while next < len {
             let chain = configfs_segment(id(), &ops, next, DIRFD, &slot(), false);
-            let covered: Vec<usize> = steps(&chain).iter().map(|s| s.op).collect();
-            let end = segment_end(next, len);
+            let mut covered: Vec<usize> = steps(&chain).iter().map(|s| s.op).collect();
+            covered.dedup();
+            let end = segment_end(&ops, next);
             assert_eq!(covered, (next..end).collect::<Vec<_>>());
             segments.push(covered.len());
             next = end;

@@ -6,14 +6,14 @@
 
 use std::ffi::CString;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use io_uring::squeue::Flags;
 use io_uring::types::DestinationSlot;
 use pillar_nvmet::{ApplyError, Op};
 
-use super::job::{ConfigfsJob, DurableJob, Reply};
+use super::job::{ConfigfsJob, DurableJob};
 use crate::engine::{DurableDir, DurableStep, EngineError};
 
 /// Bits of user data that hold the entry's index in its chain.
@@ -187,6 +187,13 @@ impl<S> Planned<S> {
     pub(super) fn hard_link(&self) -> bool {
         self.flags.contains(Flags::IO_HARDLINK)
     }
+
+    /// A failure here cancels the rest of the chain and skips their completions: the entry is
+    /// linked (not hard-linked) and carries `SKIP_SUCCESS`, which the builders set only where
+    /// the kernel marks a failure (`chain::failure_cancels_links`).
+    fn failure_ends_chain(&self) -> bool {
+        self.flags.contains(Flags::IO_LINK | Flags::SKIP_SUCCESS) && !self.hard_link()
+    }
 }
 
 /// The first failed entry of a chain.
@@ -235,69 +242,78 @@ impl<S: StepKind> ChainState<S> {
         self.results.get(index).copied().flatten()
     }
 
-    /// The first failed entry. An entry without a completion succeeded (its completion was
-    /// skipped) or was cancelled after this failure; a cancellation is never the cause. A write
-    /// that wrote less than asked failed (the kernel cancelled the rest of the chain for it).
-    pub(super) fn first_failure(&self) -> Option<Failure<S>> {
-        self.planned
-            .iter()
-            .zip(&self.results)
-            .enumerate()
-            .find_map(|(index, (planned, res))| {
-                let res = (*res)?;
-                let error = if res == -libc::ECANCELED {
-                    return None;
-                } else if res < 0 {
-                    cqe_error(res)
-                } else if let Some(len) = planned.write_len
-                    && u32::try_from(res).ok() != Some(len)
-                {
-                    let msg = format!("short write: {res} of {len} bytes");
-                    io::Error::new(io::ErrorKind::WriteZero, msg)
-                } else {
-                    return None;
-                };
-                Some(Failure {
-                    index,
-                    step: planned.step,
-                    error,
-                })
-            })
+    /// The error of entry `index` from its result: a negative result, or a write that wrote
+    /// less than asked (the kernel then cancels the rest of the chain too). A cancellation is
+    /// never the cause of a failure.
+    fn error(&self, index: usize, res: i32) -> Option<io::Error> {
+        if res == -libc::ECANCELED {
+            return None;
+        }
+        if res < 0 {
+            return Some(cqe_error(res));
+        }
+        let len = self.planned.get(index)?.write_len?;
+        if u32::try_from(res).ok() == Some(len) {
+            return None;
+        }
+        let msg = format!("short write: {res} of {len} bytes");
+        Some(io::Error::new(io::ErrorKind::WriteZero, msg))
     }
 
-    /// Whether every completion this chain will post has arrived. Its last entry always
-    /// completes unless an earlier entry failed: with skipped success completions, the kernel
-    /// then also skips the cancellations of the entries after it (`REQ_F_SKIP_LINK_CQES`), so
-    /// the failure itself ends the chain (unless it was hard-linked, when the rest still runs).
-    pub(super) fn finished(&self, skip_success: bool) -> bool {
+    /// The failed entries that posted a completion, in chain order.
+    fn failures(&self) -> impl Iterator<Item = (usize, io::Error)> + '_ {
+        self.results
+            .iter()
+            .enumerate()
+            .filter_map(|(index, res)| Some((index, self.error(index, (*res)?)?)))
+    }
+
+    /// The first failed entry. An entry without a completion succeeded (its completion was
+    /// skipped) or was cancelled after a failure; it is never the failure itself.
+    pub(super) fn first_failure(&self) -> Option<Failure<S>> {
+        let (index, error) = self.failures().next()?;
+        let step = self.planned.get(index)?.step;
+        Some(Failure { index, step, error })
+    }
+
+    /// The failure that cancelled the rest of the chain and skipped their completions, if any.
+    fn chain_ending_failure(&self) -> Option<usize> {
+        self.failures().map(|(index, _)| index).find(|index| {
+            self.planned
+                .get(*index)
+                .is_some_and(Planned::failure_ends_chain)
+        })
+    }
+
+    /// Whether every completion this chain will post has arrived. Its last entry completes
+    /// unless an earlier failure cancelled it with its completion skipped (a failed entry
+    /// carrying `SKIP_SUCCESS`: the kernel then skips the cancellations, `REQ_F_SKIP_LINK_CQES`).
+    pub(super) fn finished(&self) -> bool {
         if self.last_done {
             let last = self.results.last().copied().flatten();
             // A cancelled last entry means an earlier failure; wait to have seen it.
             return last != Some(-libc::ECANCELED) || self.first_failure().is_some();
         }
-        skip_success
-            && self
-                .first_failure()
-                .is_some_and(|f| !self.planned.get(f.index).is_some_and(Planned::hard_link))
+        self.chain_ending_failure().is_some()
     }
 
-    /// Whether entry `index` ran and succeeded (in a finished chain): entries before the first
-    /// failure did; the failed one and those after it did not.
+    /// Whether entry `index` ran and succeeded, in a finished chain. An entry without a
+    /// completion succeeded (skipped) unless a chain-ending failure came before it.
     pub(super) fn succeeded(&self, index: usize) -> bool {
-        let failed_at = self.first_failure().map_or(usize::MAX, |f| f.index);
-        index < failed_at
-            && self
-                .results
-                .get(index)
-                .is_some_and(|r| r.is_none_or(|r| r >= 0))
+        match self.results.get(index) {
+            Some(Some(res)) => *res >= 0 && self.error(index, *res).is_none(),
+            Some(None) => self.chain_ending_failure().is_none_or(|end| index < end),
+            None => false,
+        }
     }
 
-    /// Whether the (finished) chain left a file installed in its slot: opened, never closed.
+    /// Whether the (finished) chain left a file installed in its slot: its last successful
+    /// open has no successful close after it.
     pub(super) fn slot_left_open(&self) -> bool {
         let mut open = false;
         for (index, planned) in self.planned.iter().enumerate() {
             if !self.succeeded(index) {
-                break;
+                continue;
             }
             if planned.step.opens_slot() {
                 open = true;
@@ -360,9 +376,19 @@ impl ChainState<CfgStep> {
     }
 }
 
+/// Which chain of a durable request is in the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stage {
+    /// A replace's temp file being written, made durable and closed.
+    Prepare,
+    /// The rename (or a removal's unlink), and the directory fsync unless grouped.
+    Install,
+}
+
 /// A durable request whose chain is in the ring.
 pub(super) struct DurableFlight {
     pub job: DurableJob,
+    pub stage: Stage,
     pub chain: ChainState<DurableStep>,
     /// The replace's descriptor slot (a removal opens nothing).
     pub slot: Option<Slot>,
@@ -411,78 +437,6 @@ impl Cleanup {
     }
 }
 
-/// Durable requests for one directory started in the same round, sharing one directory fsync.
-pub(super) struct Group {
-    dir: Arc<DurableDir>,
-    /// Members whose chains are still in the ring.
-    running: usize,
-    /// Members whose chains finished: their reply, path, and result so far. Held until the
-    /// shared fsync completes.
-    finished: Vec<(Reply, PathBuf, Result<(), EngineError>)>,
-}
-
-impl Group {
-    pub(super) fn new(dir: Arc<DurableDir>) -> Self {
-        Self {
-            dir,
-            running: 0,
-            finished: Vec::new(),
-        }
-    }
-
-    pub(super) fn dir(&self) -> &Arc<DurableDir> {
-        &self.dir
-    }
-
-    /// A member's chain is in the ring.
-    pub(super) fn add_member(&mut self) {
-        self.running += 1;
-    }
-
-    pub(super) fn has_members(&self) -> bool {
-        self.running + self.finished.len() > 0
-    }
-
-    /// A member's chain finished with `result`; its reply waits for the directory fsync.
-    /// Whether every member is done, so the directory fsync may start.
-    pub(super) fn member_finished(
-        &mut self,
-        reply: Reply,
-        path: PathBuf,
-        result: Result<(), EngineError>,
-    ) -> bool {
-        self.running = self.running.saturating_sub(1);
-        self.finished.push((reply, path, result));
-        self.running == 0
-    }
-
-    /// Every member's answer once the directory fsync completed with `fsync`: its own result,
-    /// or the fsync's error.
-    pub(super) fn complete(self, fsync: io::Result<()>) -> Vec<(Reply, Result<(), EngineError>)> {
-        self.finished
-            .into_iter()
-            .map(|(reply, path, result)| {
-                let result = result.and_then(|()| match &fsync {
-                    Ok(()) => Ok(()),
-                    Err(e) => Err(EngineError::Step {
-                        step: DurableStep::FsyncDir,
-                        path,
-                        source: clone_error(e),
-                    }),
-                });
-                (reply, result)
-            })
-            .collect()
-    }
-}
-
-impl Group {
-    /// The replies held so far (the ring failed: they get its error).
-    pub(super) fn into_replies(self) -> impl Iterator<Item = Reply> {
-        self.finished.into_iter().map(|(reply, _, _)| reply)
-    }
-}
-
 /// A copy of `e` for each of several callers (io::Error is not Clone).
 pub(super) fn clone_error(e: &io::Error) -> io::Error {
     match e.raw_os_error() {
@@ -498,41 +452,68 @@ pub(super) fn cqe_result(res: i32) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use tokio::sync::oneshot;
+    use std::ffi::CString as CStr;
+
+    use std::path::PathBuf;
 
     use super::*;
+    use crate::engine::FaultInjection;
+    use crate::engine::uring::chain::{self, ChainOptions};
+    use crate::engine::uring::job::ReplaceData;
 
-    const LEN: u32 = 10;
+    const DIRFD: i32 = 7;
 
-    /// The plan of a replace chain (as `chain::replace` makes it).
-    fn replace_plan(skip_success: bool, grouped: bool) -> Vec<Planned<DurableStep>> {
-        let steps: &[DurableStep] = if grouped {
-            &DurableStep::REPLACE[..5]
-        } else {
-            &DurableStep::REPLACE
-        };
-        plan(steps, Flags::IO_LINK, skip_success)
+    fn options(skip_success: bool) -> ChainOptions {
+        ChainOptions {
+            skip_success,
+            fault: FaultInjection::default(),
+        }
     }
 
-    fn plan<S: StepKind>(steps: &[S], link: Flags, skip_success: bool) -> Vec<Planned<S>> {
-        let skip = if skip_success {
-            Flags::SKIP_SUCCESS
-        } else {
-            Flags::empty()
-        };
-        steps
-            .iter()
-            .enumerate()
-            .map(|(i, step)| Planned {
-                step: *step,
-                write_len: (i == 1).then_some(LEN),
-                flags: if i + 1 < steps.len() {
-                    link | skip
-                } else {
-                    Flags::empty()
-                },
-            })
-            .collect()
+    fn data() -> ReplaceData {
+        ReplaceData {
+            tmp: CStr::new(".a.json.1-0.tmp").unwrap(),
+            name: CStr::new("a.json").unwrap(),
+            data: b"0123456789".to_vec(),
+            len: 10,
+        }
+    }
+
+    /// The bookkeeping of a replace's first chain, as the engine builds it.
+    fn prepare(skip_success: bool) -> ChainState<DurableStep> {
+        let slot = SlotPool::new(1).take().unwrap();
+        let chain = chain::prepare(
+            Ids::new().next(),
+            &data(),
+            DIRFD,
+            &slot,
+            options(skip_success),
+        );
+        chain.into_parts().1
+    }
+
+    /// The bookkeeping of a replace's second chain.
+    fn install(skip_success: bool) -> ChainState<DurableStep> {
+        let chain = chain::install(
+            Ids::new().next(),
+            &data(),
+            DIRFD,
+            false,
+            options(skip_success),
+        );
+        chain.into_parts().1
+    }
+
+    fn removal(skip_success: bool) -> ChainState<DurableStep> {
+        let name = CStr::new("a.json").unwrap();
+        let chain = chain::remove(
+            Ids::new().next(),
+            &name,
+            DIRFD,
+            false,
+            options(skip_success),
+        );
+        chain.into_parts().1
     }
 
     fn record_all<S: StepKind>(chain: &mut ChainState<S>, results: &[(usize, i32)]) {
@@ -541,7 +522,7 @@ mod tests {
         }
     }
 
-    fn failed_step<S: StepKind + std::fmt::Debug>(chain: &ChainState<S>) -> Option<S> {
+    fn failed_step<S: StepKind>(chain: &ChainState<S>) -> Option<S> {
         chain.first_failure().map(|f| f.step)
     }
 
@@ -598,11 +579,12 @@ mod tests {
     }
 
     #[test]
-    fn with_skipped_success_completions_a_good_chain_posts_only_its_last() {
-        let mut chain = ChainState::new(replace_plan(true, false));
-        assert!(!chain.finished(true));
-        chain.record(5, 0);
-        assert!(chain.finished(true));
+    fn a_good_prepare_posts_only_its_fsync_and_close_when_skipping() {
+        let mut chain = prepare(true);
+        chain.record(2, 0);
+        assert!(!chain.finished());
+        chain.record(3, 0);
+        assert!(chain.finished());
         assert!(chain.first_failure().is_none());
         assert!(!chain.slot_left_open());
         assert!(chain.outcome(&path()).is_ok());
@@ -610,58 +592,65 @@ mod tests {
 
     #[test]
     fn without_skipping_a_chain_finishes_with_its_last_completion() {
-        let mut chain = ChainState::new(replace_plan(false, false));
-        record_all(&mut chain, &[(0, 0), (1, 10), (2, 0), (3, 0), (4, 0)]);
-        assert!(!chain.finished(false));
-        chain.record(5, 0);
-        assert!(chain.finished(false));
+        let mut chain = prepare(false);
+        record_all(&mut chain, &[(0, 0), (1, 10), (2, 0)]);
+        assert!(!chain.finished());
+        chain.record(3, 0);
+        assert!(chain.finished());
         assert!(chain.outcome(&path()).is_ok());
     }
 
     #[test]
-    fn a_failure_in_the_middle_ends_a_skipping_chain_at_once() {
-        let mut chain = ChainState::new(replace_plan(true, false));
+    fn a_cancelling_failure_ends_a_skipping_chain_at_once() {
+        let mut chain = prepare(true);
         // The kernel skips the completions of the successes and of the cancelled rest.
-        chain.record(2, -libc::EIO);
-        assert!(chain.finished(true));
-        assert_eq!(failed_step(&chain), Some(DurableStep::Fsync));
+        chain.record(1, -libc::ENOSPC);
+        assert!(chain.finished());
+        assert_eq!(failed_step(&chain), Some(DurableStep::Write));
         assert!(
             chain.slot_left_open(),
             "opened, and the close was cancelled"
         );
+        assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::Write));
+    }
+
+    #[test]
+    fn a_failed_fsync_cancels_nothing_so_the_chain_waits_for_the_close() {
+        let mut chain = prepare(true);
+        chain.record(2, -libc::EIO);
+        assert!(!chain.finished(), "the close still runs and completes");
+        chain.record(3, 0);
+        assert!(chain.finished());
         assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::Fsync));
+        assert!(!chain.slot_left_open(), "the close ran");
     }
 
     #[test]
     fn a_failure_in_the_middle_waits_for_the_cancellations_without_skipping() {
-        let mut chain = ChainState::new(replace_plan(false, false));
-        record_all(&mut chain, &[(0, 0), (1, 10), (2, -libc::EIO)]);
-        assert!(!chain.finished(false));
-        let cancelled = -libc::ECANCELED;
-        record_all(
-            &mut chain,
-            &[(3, cancelled), (4, cancelled), (5, cancelled)],
-        );
-        assert!(chain.finished(false));
-        assert_eq!(failed_step(&chain), Some(DurableStep::Fsync));
+        let mut chain = prepare(false);
+        record_all(&mut chain, &[(0, 0), (1, -libc::ENOSPC)]);
+        assert!(!chain.finished());
+        record_all(&mut chain, &[(2, -libc::ECANCELED), (3, -libc::ECANCELED)]);
+        assert!(chain.finished());
+        assert_eq!(failed_step(&chain), Some(DurableStep::Write));
         assert!(chain.slot_left_open());
     }
 
     #[test]
     fn a_cancelled_last_entry_waits_for_the_failure_that_caused_it() {
-        let mut chain = ChainState::new(replace_plan(false, false));
-        chain.record(5, -libc::ECANCELED);
-        assert!(!chain.finished(false), "the failure has not been seen yet");
+        let mut chain = prepare(false);
+        chain.record(3, -libc::ECANCELED);
+        assert!(!chain.finished(), "the failure has not been seen yet");
         chain.record(1, -libc::ENOSPC);
-        assert!(chain.finished(false));
+        assert!(chain.finished());
         assert_eq!(failed_step(&chain), Some(DurableStep::Write));
     }
 
     #[test]
     fn a_short_write_is_a_failure() {
-        let mut chain = ChainState::new(replace_plan(true, false));
+        let mut chain = prepare(true);
         chain.record(1, 5);
-        assert!(chain.finished(true));
+        assert!(chain.finished(), "the kernel cancels the rest of the chain");
         let failure = chain.first_failure().unwrap();
         assert_eq!(failure.step, DurableStep::Write);
         assert_eq!(failure.error.kind(), io::ErrorKind::WriteZero);
@@ -670,44 +659,62 @@ mod tests {
 
     #[test]
     fn the_slot_is_left_open_only_between_a_good_open_and_a_missing_close() {
-        let cases = [
-            (DurableStep::Open, false),
-            (DurableStep::Write, true),
-            (DurableStep::Fsync, true),
-            (DurableStep::Close, true),
-            (DurableStep::Rename, false),
-            (DurableStep::FsyncDir, false),
+        // Completions of a skipping prepare chain that fails at each step in turn.
+        type Case<'a> = (&'a [(usize, i32)], DurableStep, bool);
+        let cases: [Case; 4] = [
+            (&[(0, -libc::EACCES)], DurableStep::Open, false),
+            (&[(1, -libc::ENOSPC)], DurableStep::Write, true),
+            (&[(2, -libc::EIO), (3, 0)], DurableStep::Fsync, false),
+            (&[(2, 0), (3, -libc::EBADF)], DurableStep::Close, true),
         ];
-        for (index, (step, left_open)) in cases.into_iter().enumerate() {
-            let mut chain = ChainState::new(replace_plan(true, false));
-            chain.record(index, -libc::EIO);
-            assert!(chain.finished(true), "{step}");
+        for (results, step, left_open) in cases {
+            let mut chain = prepare(true);
+            record_all(&mut chain, results);
+            assert!(chain.finished(), "{step}");
             assert_eq!(failed_step(&chain), Some(step));
             assert_eq!(chain.slot_left_open(), left_open, "failure at {step}");
         }
     }
 
     #[test]
-    fn a_hard_linked_failure_lets_the_rest_run() {
-        let steps = [DurableStep::Unlink, DurableStep::FsyncDir];
+    fn a_failed_rename_shows_though_the_directory_fsync_runs() {
         for skip_success in [false, true] {
-            let mut chain = ChainState::new(plan(&steps, Flags::IO_HARDLINK, skip_success));
-            chain.record(0, -libc::ENOENT);
-            assert!(!chain.finished(skip_success), "the fsync still runs");
+            let mut chain = install(skip_success);
+            chain.record(0, -libc::EISDIR);
+            assert!(!chain.finished(), "the directory fsync still runs");
             chain.record(1, 0);
-            assert!(chain.finished(skip_success));
+            assert!(chain.finished());
+            assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::Rename));
+            assert!(!chain.renamed(), "the temp file is still there");
+
+            let mut chain = install(skip_success);
+            record_all(&mut chain, &[(0, 0), (1, -libc::EIO)]);
+            assert!(chain.finished());
+            assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::FsyncDir));
+            assert!(chain.renamed());
+        }
+    }
+
+    #[test]
+    fn a_hard_linked_failure_lets_the_rest_run() {
+        for skip_success in [false, true] {
+            let mut chain = removal(skip_success);
+            chain.record(0, -libc::ENOENT);
+            assert!(!chain.finished(), "the fsync still runs");
+            chain.record(1, 0);
+            assert!(chain.finished());
             assert_eq!(
                 step_of(chain.outcome(&path())),
                 None,
                 "already gone is fine"
             );
 
-            let mut chain = ChainState::new(plan(&steps, Flags::IO_HARDLINK, skip_success));
+            let mut chain = removal(skip_success);
             record_all(&mut chain, &[(0, -libc::ENOENT), (1, -libc::EIO)]);
             assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::FsyncDir));
 
-            let mut chain = ChainState::new(plan(&steps, Flags::IO_HARDLINK, skip_success));
-            record_all(&mut chain, &[(0, -libc::EACCES), (1, 0)]);
+            let mut chain = removal(skip_success);
+            record_all(&mut chain, &[(0, -libc::EISDIR), (1, 0)]);
             assert_eq!(step_of(chain.outcome(&path())), Some(DurableStep::Unlink));
         }
     }
@@ -715,94 +722,46 @@ mod tests {
     #[test]
     fn a_configfs_failure_names_the_operation_of_the_plan() {
         let ops = vec![
-            Op::Mkdir { path: "a".into() },
             Op::Write {
                 path: "a/attr".into(),
                 value: "1".into(),
             },
+            Op::Mkdir { path: "b".into() },
         ];
-        let single = CfgStep {
-            op: 0,
-            part: CfgPart::Single,
-        };
-        let part = |part| CfgStep { op: 1, part };
-        let steps = [
-            single,
-            part(CfgPart::Open),
-            part(CfgPart::Write),
-            part(CfgPart::Close),
-        ];
-        let mut chain = ChainState::new(plan(&steps, Flags::IO_LINK, true));
-        chain.record(1, -libc::ENOENT);
-        assert!(chain.finished(true));
+        let part = |part| CfgStep { op: 0, part };
+        let linked = Flags::IO_LINK | Flags::SKIP_SUCCESS;
+        let planned = [
+            (part(CfgPart::Open), linked),
+            (part(CfgPart::Write), linked),
+            (part(CfgPart::Close), Flags::IO_LINK),
+            (
+                CfgStep {
+                    op: 1,
+                    part: CfgPart::Single,
+                },
+                Flags::empty(),
+            ),
+        ]
+        .map(|(step, flags)| Planned {
+            step,
+            write_len: (step.part == CfgPart::Write).then_some(1),
+            flags,
+        });
+        let mut chain = ChainState::new(planned.to_vec());
+        chain.record(0, -libc::ENOENT);
+        assert!(chain.finished());
         assert!(
             !chain.slot_left_open(),
             "the open failed: nothing installed"
         );
         let err = chain.outcome(&ops).unwrap_err();
-        assert_eq!(err.index, 1);
-        assert_eq!(err.op, ops[1]);
+        assert_eq!(err.index, 0);
+        assert_eq!(err.op, ops[0]);
         assert_eq!(err.source.raw_os_error(), Some(libc::ENOENT));
-    }
 
-    fn group() -> Group {
-        let tmp = tempfile::tempdir().unwrap();
-        Group::new(DurableDir::open(tmp.path()).unwrap())
-    }
-
-    #[test]
-    fn group_replies_wait_for_the_shared_fsync() {
-        let mut group = group();
-        group.add_member();
-        group.add_member();
-        let (first, mut first_rx) = oneshot::channel();
-        let (second, mut second_rx) = oneshot::channel();
-        assert!(!group.member_finished(first, path(), Ok(())));
-        assert!(
-            group.member_finished(second, path(), Ok(())),
-            "all done: fsync"
-        );
-        assert!(
-            first_rx.try_recv().is_err(),
-            "held until the fsync completes"
-        );
-        for (reply, result) in group.complete(Ok(())) {
-            reply.send(result).unwrap();
-        }
-        assert!(first_rx.try_recv().unwrap().is_ok());
-        assert!(second_rx.try_recv().unwrap().is_ok());
-    }
-
-    #[test]
-    fn a_failed_shared_fsync_fails_every_member_and_own_errors_stay() {
-        let mut group = group();
-        group.add_member();
-        group.add_member();
-        let (good, _good_rx) = oneshot::channel();
-        let (bad, _bad_rx) = oneshot::channel();
-        let own = EngineError::Step {
-            step: DurableStep::Rename,
-            path: path(),
-            source: io::Error::from_raw_os_error(libc::EISDIR),
-        };
-        group.member_finished(good, path(), Ok(()));
-        group.member_finished(bad, path(), Err(own));
-        let steps: Vec<Option<DurableStep>> = group
-            .complete(Err(io::Error::from_raw_os_error(libc::EIO)))
-            .into_iter()
-            .map(|(_, result)| step_of(result))
-            .collect();
-        assert_eq!(
-            steps,
-            [Some(DurableStep::FsyncDir), Some(DurableStep::Rename)]
-        );
-    }
-
-    #[test]
-    fn an_empty_group_has_no_members() {
-        let mut group = group();
-        assert!(!group.has_members());
-        group.add_member();
-        assert!(group.has_members());
+        let mut chain = ChainState::new(planned.to_vec());
+        record_all(&mut chain, &[(3, -libc::EEXIST)]);
+        assert!(chain.finished());
+        assert_eq!(chain.outcome(&ops).unwrap_err().index, 1);
     }
 }

@@ -4,27 +4,35 @@
 //! waits in exactly one place (`io_uring_enter`) for both new work and completions. Everything
 //! queued since the last wake-up goes into the next submission.
 //!
-//! - A durable replace is the linked chain `openat (direct descriptor) -> write -> fsync ->
-//!   close -> renameat -> fsync(dir)`. A failure anywhere cancels the rest (a short write counts
-//!   as a failure), so the rename never installs an incomplete file.
+//! - A durable replace is two linked chains on a direct descriptor: `openat (its own temp file)
+//!   -> write -> fsync -> close`, then, once all of that succeeded, `renameat -> fsync(dir)`. A
+//!   failure anywhere stops it before the rename (a short write counts as a failure), so the
+//!   rename never installs an incomplete or unsynced file; the temp file is then removed. Two
+//!   chains because the kernel does not cancel linked entries after a failed fsync (see
+//!   `chain`).
 //! - Group commit: when several replaces/removals for one directory arrive in one round, each
-//!   gets its chain without the directory fsync, and one fsync of the directory follows once all
-//!   chains completed. Every request is answered only after a directory fsync that started after
+//!   gets its chains without the directory fsync, and one fsync of the directory follows once all
+//!   of them completed. Every request is answered only after a directory fsync that started after
 //!   its own rename completed.
-//! - A configfs plan is one linked chain (attribute writes are `openat -> write -> close` on a
-//!   direct descriptor), in segments of at most [`MAX_OPS_PER_CHAIN`] operations.
+//! - A configfs plan runs as linked chains (attribute writes are `openat -> write -> close` on a
+//!   direct descriptor) of at most [`MAX_OPS_PER_CHAIN`] operations, each ending after its first
+//!   mkdir, symlink, unlink or rmdir, so the plan stops at its first failure.
+//! - A push the kernel refuses is never dropped: a busy queue (`EBUSY`/`EAGAIN`) waits for the
+//!   next round, any other error answers the request with [`EngineError::Submit`].
 //!
 //! The modules, by concept:
 //! - `probe`: the ring is created disabled, its opcodes probed, then restricted to exactly the
 //!   opcodes and SQE flags the engine uses, and enabled.
 //! - `job`: requests as the ring thread receives them (durable and configfs are separate types).
-//! - `chain`: pure chain builders (entries, their steps, link flags).
-//! - `flight`: pure bookkeeping (user data, chain completions, slots, group commit).
+//! - `chain`: pure chain builders (entries, their steps, link flags), and which opcodes' failures
+//!   cancel a chain.
+//! - `flight`: pure bookkeeping (user data, chain completions, slots); `group`: group commit.
 //! - `queue`: pushes and submits, and the eventfd. With one push in `ring`, the only `unsafe`.
 //! - `ring`: the ring thread's loop.
 
 mod chain;
 mod flight;
+mod group;
 mod job;
 mod probe;
 mod queue;

@@ -17,9 +17,10 @@ use io_uring::squeue::Entry;
 
 use super::chain::{self, ChainOptions};
 use super::flight::{
-    Cleanup, ConfigfsFlight, DurableFlight, FlightId, Group, Ids, Slot, SlotPool, Tag, TempFile,
+    Cleanup, ConfigfsFlight, DurableFlight, FlightId, Ids, Slot, SlotPool, Stage, Tag, TempFile,
     cqe_result, decode,
 };
+use super::group::Group;
 use super::job::{ConfigfsJob, DurableJob, DurableKind, Job, Reply, answer};
 use super::queue::{PushError, Queue};
 use crate::engine::{DurableStep, EngineError, EngineStats};
@@ -75,6 +76,8 @@ pub(super) struct RingThread {
     due_fsyncs: Vec<FlightId>,
     /// Cleanups waiting for room in the queue.
     due_cleanups: Vec<Cleanup>,
+    /// Replaces whose prepared temp file waits for room in the queue to be installed.
+    due_installs: Vec<DurableFlight>,
     /// The kernel refused entries this round (busy): push nothing more until completions were
     /// reaped.
     busy: bool,
@@ -103,6 +106,7 @@ impl RingThread {
             cleanups: HashMap::new(),
             due_fsyncs: Vec::new(),
             due_cleanups: Vec::new(),
+            due_installs: Vec::new(),
             busy: false,
         }
     }
@@ -142,6 +146,7 @@ impl RingThread {
             && self.groups.is_empty()
             && self.cleanups.is_empty()
             && self.due_cleanups.is_empty()
+            && self.due_installs.is_empty()
     }
 
     /// Whether some completion is still to come.
@@ -153,7 +158,10 @@ impl RingThread {
     }
 
     fn retry_pending(&self) -> bool {
-        self.busy || !self.due_fsyncs.is_empty() || !self.due_cleanups.is_empty()
+        self.busy
+            || !self.due_fsyncs.is_empty()
+            || !self.due_cleanups.is_empty()
+            || !self.due_installs.is_empty()
     }
 
     fn take_new_jobs(&mut self) {
@@ -169,8 +177,11 @@ impl RingThread {
         }
     }
 
-    /// Pushes the group fsyncs and cleanups a busy queue held back.
+    /// Pushes the installs, group fsyncs and cleanups a busy queue held back.
     fn push_due(&mut self) {
+        for flight in std::mem::take(&mut self.due_installs) {
+            self.push_install(flight);
+        }
         for gid in std::mem::take(&mut self.due_fsyncs) {
             self.push_group_fsync(gid);
         }
@@ -246,28 +257,30 @@ impl RingThread {
         }
     }
 
+    /// Starts a durable request: a replace's prepare chain (it needs a slot), or a removal.
     fn start_durable(&mut self, job: DurableJob, group: Option<FlightId>) -> Start<DurableJob> {
         if self.busy {
             return Start::Later(job);
         }
         let id = self.ids.next();
         let dirfd = job.dir.raw_fd();
-        let grouped = group.is_some();
-        let (chain, slot) = match &job.kind {
+        let (stage, chain, slot) = match &job.kind {
             DurableKind::Replace(data) => {
                 let Some(slot) = self.slots.take() else {
                     return Start::Later(job);
                 };
-                let chain = chain::replace(id, data, dirfd, &slot, grouped, self.options);
-                (chain, Some(slot))
+                let chain = chain::prepare(id, data, dirfd, &slot, self.options);
+                (Stage::Prepare, chain, Some(slot))
             }
             DurableKind::Remove { name } => {
-                (chain::remove(id, name, dirfd, grouped, self.options), None)
+                let chain = chain::remove(id, name, dirfd, group.is_some(), self.options);
+                (Stage::Install, chain, None)
             }
         };
         let (entries, chain) = chain.into_parts();
         let flight = DurableFlight {
             job,
+            stage,
             chain,
             slot,
             group,
@@ -280,6 +293,40 @@ impl RingThread {
                     self.slots.put(slot);
                 }
                 self.refused(flight.job, error, |job, e| answer(job.reply, Err(e)))
+            }
+        }
+    }
+
+    /// Pushes the install chain of a replace whose temp file is prepared.
+    fn push_install(&mut self, flight: DurableFlight) {
+        if self.busy {
+            self.due_installs.push(flight);
+            return;
+        }
+        let DurableKind::Replace(data) = &flight.job.kind else {
+            // Only a replace is prepared; a removal starts at its install chain, and is
+            // answered as it stands.
+            let result = flight.chain.outcome(&flight.job.path);
+            self.answer_durable(flight, result);
+            return;
+        };
+        let id = self.ids.next();
+        let dirfd = flight.job.dir.raw_fd();
+        let grouped = flight.group.is_some();
+        let (entries, chain) = chain::install(id, data, dirfd, grouped, self.options).into_parts();
+        let flight = DurableFlight {
+            stage: Stage::Install,
+            chain,
+            ..flight
+        };
+        match push_owned(&mut self.queue, &mut self.durable, id, flight, &entries) {
+            Ok(()) => {}
+            Err((PushError::Busy, flight)) => {
+                self.busy = true;
+                self.due_installs.push(flight);
+            }
+            Err((PushError::Failed(source), flight)) => {
+                self.answer_durable(flight, Err(EngineError::Submit { source }));
             }
         }
     }
@@ -329,17 +376,16 @@ impl RingThread {
 
     /// Hands the completion of entry `index` of `id` to whatever `id` names.
     fn complete(&mut self, id: FlightId, index: usize, res: i32) {
-        let skip_success = self.options.skip_success;
         if let Some(flight) = self.durable.get_mut(&id) {
             flight.chain.record(index, res);
-            if flight.chain.finished(skip_success)
+            if flight.chain.finished()
                 && let Some(flight) = self.durable.remove(&id)
             {
                 self.finish_durable(flight);
             }
         } else if let Some(flight) = self.configfs.get_mut(&id) {
             flight.chain.record(index, res);
-            if flight.chain.finished(skip_success)
+            if flight.chain.finished()
                 && let Some(flight) = self.configfs.remove(&id)
             {
                 self.finish_segment(flight);
@@ -360,34 +406,41 @@ impl RingThread {
         }
     }
 
-    fn finish_durable(&mut self, flight: DurableFlight) {
-        let DurableFlight {
-            job,
-            chain,
-            slot,
-            group,
-        } = flight;
-        let DurableJob {
-            dir,
-            path,
-            kind,
-            reply,
-        } = job;
-        let result = chain.outcome(&path);
-        let temp = match kind {
-            DurableKind::Replace(data) if !chain.renamed() => Some(TempFile {
-                dir,
-                name: data.tmp,
+    /// A durable request's chain finished: a prepared replace goes on to its install chain,
+    /// anything else is answered (through its group, if any).
+    fn finish_durable(&mut self, mut flight: DurableFlight) {
+        let result = flight.chain.outcome(&flight.job.path);
+        let left_open = flight.chain.slot_left_open();
+        if flight.stage == Stage::Prepare && result.is_ok() {
+            // The temp file is durable and closed: the slot is free for others.
+            if let Some(slot) = flight.slot.take() {
+                self.tidy(Cleanup::of_slot(slot, left_open));
+            }
+            self.push_install(flight);
+            return;
+        }
+        let slot = flight.slot.take();
+        let renamed = flight.stage == Stage::Install && flight.chain.renamed();
+        let temp = match &flight.job.kind {
+            DurableKind::Replace(data) if !renamed => Some(TempFile {
+                dir: Arc::clone(&flight.job.dir),
+                name: data.tmp.clone(),
             }),
             _ => None,
         };
         self.tidy(Cleanup {
             slot,
-            close_slot: chain.slot_left_open(),
+            close_slot: left_open,
             temp,
             remaining: 0,
         });
-        match group {
+        self.answer_durable(flight, result);
+    }
+
+    /// Answers a durable request, or hands its result to its group-commit group.
+    fn answer_durable(&mut self, flight: DurableFlight, result: Result<(), EngineError>) {
+        let DurableJob { path, reply, .. } = flight.job;
+        match flight.group {
             None => {
                 if result.is_ok() {
                     EngineStats::add(&self.stats.durable_ops, 1);
@@ -464,7 +517,7 @@ impl RingThread {
         } = flight;
         let result = chain.outcome(&job.ops);
         let left_open = chain.slot_left_open();
-        let end = chain::segment_end(job.next, job.prepared.len());
+        let end = chain::segment_end(&job.prepared, job.next);
         if result.is_ok() && end < job.prepared.len() {
             job.next = end;
             let start = if left_open {
@@ -533,6 +586,9 @@ impl RingThread {
             let DurableJob { reply, kind, .. } = flight.job;
             std::mem::forget(kind);
             answer(reply, Err(error()));
+        }
+        for flight in self.due_installs.drain(..) {
+            answer(flight.job.reply, Err(error()));
         }
         for (_, flight) in self.configfs.drain() {
             let ConfigfsJob {
