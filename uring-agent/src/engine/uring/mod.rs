@@ -120,15 +120,14 @@ impl UringEngine {
         let setup = probe::restricted_ring(RING_ENTRIES, FILE_SLOTS)?;
         let wake = Arc::new(EventFd::new().map_err(|e| probe::unavailable("eventfd", &e))?);
         let stats = Arc::new(EngineStats::default());
-        #[allow(unused_mut)]
-        let mut queue = Queue::new(
+        let queue = Queue::new(
             setup.ring,
             Arc::clone(&wake),
             Arc::clone(&stats),
             config.batch_observer,
         );
         #[cfg(feature = "fault-injection")]
-        queue.fail_submits(config.submit_failures);
+        let queue = queue.with_submit_failures(config.submit_failures);
         let options = ChainOptions {
             skip_success: setup.skip_success,
             fault: config.fault,

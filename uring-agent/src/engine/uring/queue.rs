@@ -142,8 +142,9 @@ impl Queue {
 
     /// Makes the next pushes fail (tests).
     #[cfg(feature = "fault-injection")]
-    pub(super) fn fail_submits(&mut self, failures: Option<SubmitFailures>) {
+    pub(super) fn with_submit_failures(mut self, failures: Option<SubmitFailures>) -> Self {
         self.submit_failures = failures;
+        self
     }
 
     #[cfg(feature = "fault-injection")]

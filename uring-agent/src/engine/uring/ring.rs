@@ -605,5 +605,8 @@ impl RingThread {
         for job in self.waiting.drain(..) {
             job.fail(error());
         }
+        for (_, cleanup) in self.cleanups.drain() {
+            std::mem::forget(cleanup.temp);
+        }
     }
 }
