@@ -288,15 +288,15 @@ async fn a_configfs_plan_stops_at_the_first_failure() {
     }
 }
 
-// Concurrent requests are independent chains: one request failing (its temp path is a
-// directory, so the open fails) cancels nothing of the others submitted with it.
+// Concurrent requests are independent chains: one request failing (its target is a directory,
+// so the rename fails) cancels nothing of the others submitted with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_failing_request_does_not_cancel_its_neighbours() {
     for engine in engines(no_fault()) {
         let engine = Arc::new(engine);
         let tmp = tempfile::tempdir().unwrap();
         let dir = DurableDir::open(tmp.path()).unwrap();
-        std::fs::create_dir(dir.path().join(".poisoned.json.tmp")).unwrap();
+        std::fs::create_dir(dir.path().join("poisoned.json")).unwrap();
         for round in 0..5 {
             let tasks: Vec<_> = (0..32)
                 .map(|i| {
@@ -338,5 +338,226 @@ async fn one_failing_request_does_not_cancel_its_neighbours() {
                 }
             }
         }
+    }
+}
+
+// A push the kernel refuses (the queue was full and the submit that makes room failed) answers
+// its caller with the error instead of leaving it waiting: its descriptor slot comes back (far
+// more refusals than slots), the engine keeps working, and dropping it ends its thread.
+#[tokio::test]
+async fn a_refused_submission_answers_its_caller() {
+    let engine = Engine::Uring(
+        UringEngine::start(UringConfig::default().with_failing_submits(libc::EINVAL, 102)).unwrap(),
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = DurableDir::open(tmp.path()).unwrap();
+    let refused = |r: Result<Result<(), EngineError>, _>| match r.expect("answered, not hanging") {
+        Err(EngineError::Submit { source }) => {
+            assert_eq!(source.raw_os_error(), Some(libc::EINVAL))
+        }
+        other => panic!("expected the submit error, got {other:?}"),
+    };
+    for i in 0..100 {
+        refused(
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                engine.replace_file(&dir, &format!("x{i}"), vec![1; 10]),
+            )
+            .await,
+        );
+    }
+    refused(tokio::time::timeout(Duration::from_secs(10), engine.remove_file(&dir, "x0")).await);
+    let plan = vec![Op::Mkdir { path: "c".into() }];
+    refused(tokio::time::timeout(Duration::from_secs(10), engine.apply_configfs(&dir, plan)).await);
+
+    engine
+        .replace_file(&dir, "a.json", b"after".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(listing(dir.path()), vec!["a.json"]);
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::task::spawn_blocking(move || drop(engine)),
+    )
+    .await
+    .expect("the ring thread ends")
+    .unwrap();
+}
+
+// A busy queue (EBUSY/EAGAIN when making room) is not an error: the request waits for the next
+// round, after completions were reaped, and then runs.
+#[tokio::test]
+async fn a_busy_queue_is_retried() {
+    for errno in [libc::EBUSY, libc::EAGAIN] {
+        let engine = Engine::Uring(
+            UringEngine::start(UringConfig::default().with_failing_submits(errno, 5)).unwrap(),
+        );
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        let run = async {
+            engine.replace_file(&dir, "a.json", b"1".to_vec()).await?;
+            engine.remove_file(&dir, "a.json").await?;
+            let plan = vec![Op::Mkdir { path: "c".into() }];
+            engine.apply_configfs(&dir, plan).await
+        };
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("not stuck")
+            .unwrap();
+        assert_eq!(listing(dir.path()), vec!["c"]);
+    }
+}
+
+// Each replace writes its own temp file: two replaces of one file at once (on io_uring, in one
+// group-commit round) both succeed, the file ends with one whole content, and no temp file is
+// left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_replaces_of_one_file_do_not_share_a_temp_file() {
+    let a = vec![b'a'; 256 * 1024];
+    let b = vec![b'b'; 256 * 1024 + 1];
+    for engine in engines(no_fault()) {
+        let engine = Arc::new(engine);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        for round in 0..20 {
+            let tasks: Vec<_> = [a.clone(), b.clone()]
+                .into_iter()
+                .map(|contents| {
+                    let (engine, dir) = (Arc::clone(&engine), Arc::clone(&dir));
+                    tokio::spawn(
+                        async move { engine.replace_file(&dir, "same.json", contents).await },
+                    )
+                })
+                .collect();
+            for t in tasks {
+                t.await
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("{} round {round}: {e}", engine.name()));
+            }
+            let now = std::fs::read(dir.path().join("same.json")).unwrap();
+            assert!(
+                now == a || now == b,
+                "{} round {round}: torn file of {} bytes",
+                engine.name(),
+                now.len()
+            );
+            assert_eq!(listing(dir.path()), vec!["same.json"], "{}", engine.name());
+        }
+    }
+}
+
+// A replace that fails before its rename removes its temp file (an injected failure at every
+// step, and a real one: a directory in the way of the rename). Checked once the engine is
+// dropped, as the io_uring engine tidies up after answering.
+#[tokio::test]
+async fn a_failed_replace_leaves_no_temp_file() {
+    for step in DurableStep::REPLACE {
+        for engine in engines(FaultInjection {
+            fail_at: Some(step),
+        }) {
+            let name = engine.name();
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = DurableDir::open(tmp.path()).unwrap();
+            std::fs::write(dir.path().join("m.json"), b"OLD").unwrap();
+            for _ in 0..3 {
+                engine
+                    .replace_file(&dir, "m.json", b"NEW".to_vec())
+                    .await
+                    .unwrap_err();
+            }
+            drop(engine);
+            assert_eq!(
+                listing(dir.path()),
+                vec!["m.json"],
+                "{name}: failure at {step}"
+            );
+        }
+    }
+    for engine in engines(no_fault()) {
+        let name = engine.name();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        std::fs::create_dir(dir.path().join("d.json")).unwrap();
+        let err = engine
+            .replace_file(&dir, "d.json", b"NEW".to_vec())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EngineError::Step {
+                    step: DurableStep::Rename,
+                    ..
+                }
+            ),
+            "{name}: {err}"
+        );
+        drop(engine);
+        assert_eq!(listing(dir.path()), vec!["d.json"], "{name}");
+    }
+}
+
+// The kernel does not cancel the rest of a linked chain when an mkdirat, symlinkat or unlinkat
+// fails (nor post the failure when asked to skip successful completions): a plan must still
+// stop at such a failure, and report it.
+#[tokio::test]
+async fn a_configfs_plan_stops_at_a_failed_directory_operation() {
+    let failing = [
+        Op::Mkdir { path: "a".into() },
+        Op::Symlink {
+            target: "a".into(),
+            link: "a".into(),
+        },
+        Op::Rmdir {
+            path: "missing".into(),
+        },
+        Op::Unlink {
+            path: "missing".into(),
+        },
+    ];
+    for bad in failing {
+        for engine in engines(no_fault()) {
+            let tmp = tempfile::tempdir().unwrap();
+            let root = DurableDir::open(tmp.path()).unwrap();
+            std::fs::create_dir(tmp.path().join("a")).unwrap();
+            let ops = vec![
+                Op::Mkdir { path: "x".into() },
+                bad.clone(),
+                Op::Mkdir { path: "y".into() },
+            ];
+            let err = engine.apply_configfs(&root, ops).await.unwrap_err();
+            let EngineError::Configfs(apply) = err else {
+                panic!("{}: {err}", engine.name())
+            };
+            assert_eq!(apply.index, 1, "{} {bad:?}", engine.name());
+            assert!(tmp.path().join("x").is_dir());
+            assert!(
+                !tmp.path().join("y").exists(),
+                "{} {bad:?}: nothing after the failure ran",
+                engine.name()
+            );
+        }
+    }
+}
+
+// A removal whose unlink fails otherwise than "already gone" reports it.
+#[tokio::test]
+async fn a_failed_removal_is_reported() {
+    for engine in engines(no_fault()) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DurableDir::open(tmp.path()).unwrap();
+        std::fs::create_dir(dir.path().join("d.json")).unwrap();
+        let err = engine.remove_file(&dir, "d.json").await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EngineError::Step {
+                    step: DurableStep::Unlink,
+                    ..
+                }
+            ),
+            "{}: {err}",
+            engine.name()
+        );
     }
 }

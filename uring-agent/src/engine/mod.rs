@@ -3,15 +3,16 @@
 //!
 //! Two engines pass the same test suite:
 //! - [`uring::UringEngine`]: one io_uring fed by every concurrent request. A durable replace is
-//!   one linked chain (open, write, fsync, close, rename, fsync of the directory); concurrent
-//!   replaces in one directory share a submission and one directory fsync (group commit).
-//!   configfs plans go in as linked chains, one submission per plan.
+//!   two linked chains (open, write, fsync, close; then rename, fsync of the directory);
+//!   concurrent replaces in one directory share submissions and one directory fsync (group
+//!   commit). configfs plans go in as linked chains, each ending at a directory operation.
 //! - [`sync::SyncEngine`]: plain blocking syscalls on tokio's blocking pool, for hosts where
 //!   io_uring is disabled or blocked by a seccomp profile.
 //!
 //! Invariants both keep:
-//! - A replace either leaves the old file or installs the complete new one (rename is atomic);
-//!   success is reported only after the directory fsync, so a reported success survives a crash.
+//! - A replace writes its own temp file ([`temp_name`]), then either leaves the old file or
+//!   installs the complete new one (rename is atomic); success is reported only after the
+//!   directory fsync, so a reported success survives a crash.
 //! - A configfs plan stops at the first failed operation; later operations never run.
 
 pub mod sync;
@@ -23,8 +24,8 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use pillar_nvmet::{ApplyError, Op};
 
@@ -83,6 +84,8 @@ pub enum EngineError {
     Unavailable { reason: String },
     #[error("the io_uring engine thread has stopped")]
     Stopped,
+    #[error("the kernel refused an io_uring submission")]
+    Submit { source: io::Error },
     #[error(transparent)]
     Configfs(#[from] ApplyError),
     #[error("blocking task failed")]
@@ -128,9 +131,19 @@ fn c_path(path: &Path) -> Result<CString, EngineError> {
     })
 }
 
-/// The temp file name used while replacing `name`. Hidden, so listings of marks skip it.
+/// A fresh temp file name for one replace of `name`: `.{name}.{process}-{n}.tmp`, where
+/// `process` is 64 random bits drawn once per process and `n` counts the process's replaces. No
+/// two writes share a temp file, even of one file at once or across restarts (a crashed run's
+/// leftovers keep their own names), and no randomness is drawn per write.
+///
+/// Hidden (a leading `.`), so whatever lists a directory of marks or records skips it; engines
+/// remove it when a replace fails before its rename, and only a crash mid-write leaves one.
 pub fn temp_name(name: &str) -> String {
-    format!(".{name}.tmp")
+    static PROCESS: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!(".{name}.{process:016x}-{n}.tmp")
 }
 
 /// Counters every engine keeps (for metrics and the syscall comparison in benchmarks).
@@ -235,5 +248,24 @@ impl Engine {
             Self::Uring(e) => e.apply_configfs(root, ops).await,
             Self::Sync(e) => e.apply_configfs(root, ops).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_replace_gets_its_own_hidden_temp_name() {
+        let first = temp_name("v1.json");
+        let second = temp_name("v1.json");
+        assert_ne!(first, second);
+        for name in [&first, &second] {
+            assert!(name.starts_with(".v1.json."), "{name}");
+            assert!(name.ends_with(".tmp"), "{name}");
+        }
+        // The same process part, a different count.
+        let process = |n: &str| n.split('-').next().map(str::to_owned);
+        assert_eq!(process(&first), process(&second));
     }
 }

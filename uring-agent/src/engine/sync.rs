@@ -4,6 +4,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write as _};
 use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 use std::sync::Arc;
 
 use pillar_nvmet::{KernelExecutor, Op, apply};
@@ -128,11 +129,11 @@ fn replace_blocking(
     check(DurableStep::Open)?;
     let mut file = OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .open(&tmp)
         .map_err(|e| fail(DurableStep::Open, e))?;
+    let mut temp = TempFile(Some(&tmp));
     check(DurableStep::Write)?;
     file.write_all(contents)
         .map_err(|e| fail(DurableStep::Write, e))?;
@@ -142,8 +143,26 @@ fn replace_blocking(
     drop(file);
     check(DurableStep::Rename)?;
     std::fs::rename(&tmp, &target).map_err(|e| fail(DurableStep::Rename, e))?;
+    temp.renamed();
     check(DurableStep::FsyncDir)?;
     File::open(dir.path())
         .and_then(|d| d.sync_all())
         .map_err(|e| fail(DurableStep::FsyncDir, e))
+}
+
+/// This write's own temp file, removed unless the rename installed it (nobody else uses it).
+struct TempFile<'a>(Option<&'a Path>);
+
+impl TempFile<'_> {
+    fn renamed(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for TempFile<'_> {
+    fn drop(&mut self) {
+        if let Some(path) = self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }

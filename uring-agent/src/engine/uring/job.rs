@@ -1,0 +1,159 @@
+//! Requests as the ring thread receives them: everything a chain points into (paths as C
+//! strings, data buffers), checked and converted before the request reaches the thread, so the
+//! thread never meets a request it cannot start.
+//!
+//! Durable and configfs requests are separate types: a configfs request cannot reach the durable
+//! path or the other way round, and each carries its own reply channel.
+
+use std::ffi::CString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use pillar_nvmet::{ApplyError, Op};
+use tokio::sync::oneshot;
+
+use crate::engine::{DurableDir, DurableStep, EngineError, c_path, temp_name};
+
+/// Where a request's answer goes. Dropped unanswered only when the caller went away.
+pub(super) type Reply = oneshot::Sender<Result<(), EngineError>>;
+
+/// Answers a request. The caller may have given up waiting; then there is no one to tell.
+pub(super) fn answer(reply: Reply, result: Result<(), EngineError>) {
+    let _ = reply.send(result);
+}
+
+/// One request for the ring thread.
+pub(super) enum Job {
+    Durable(DurableJob),
+    Configfs(ConfigfsJob),
+}
+
+impl Job {
+    /// Answers the request with `error` without running it.
+    pub(super) fn fail(self, error: EngineError) {
+        match self {
+            Self::Durable(job) => answer(job.reply, Err(error)),
+            Self::Configfs(job) => answer(job.reply, Err(error)),
+        }
+    }
+}
+
+/// A durable replace or removal of one file in `dir`.
+pub(super) struct DurableJob {
+    pub dir: Arc<DurableDir>,
+    /// The file's path, for errors.
+    pub path: PathBuf,
+    pub kind: DurableKind,
+    pub reply: Reply,
+}
+
+pub(super) enum DurableKind {
+    Replace(ReplaceData),
+    Remove { name: CString },
+}
+
+/// What a replace writes, and where.
+pub(super) struct ReplaceData {
+    /// This write's own temp file (see [`temp_name`]).
+    pub tmp: CString,
+    pub name: CString,
+    pub data: Vec<u8>,
+    /// `data.len()`, which fits the 32-bit length of a write entry.
+    pub len: u32,
+}
+
+impl DurableKind {
+    /// A replace of `name` (at `path`) with `data`; refuses data one write entry cannot carry.
+    pub(super) fn replace(name: &str, data: Vec<u8>, path: &Path) -> Result<Self, EngineError> {
+        let len = u32::try_from(data.len()).map_err(|_| EngineError::Step {
+            step: DurableStep::Write,
+            path: path.to_owned(),
+            source: io::Error::from_raw_os_error(libc::EFBIG),
+        })?;
+        Ok(Self::Replace(ReplaceData {
+            tmp: c_path(temp_name(name).as_ref())?,
+            name: c_path(name.as_ref())?,
+            data,
+            len,
+        }))
+    }
+
+    /// A removal of `name`.
+    pub(super) fn remove(name: &str) -> Result<Self, EngineError> {
+        Ok(Self::Remove {
+            name: c_path(name.as_ref())?,
+        })
+    }
+}
+
+/// A configfs plan, run in segments of linked chains; `next` is the first operation not yet run.
+pub(super) struct ConfigfsJob {
+    pub root: Arc<DurableDir>,
+    /// The plan as given, for errors.
+    pub ops: Vec<Op>,
+    /// The plan as entries need it, one per operation of `ops`.
+    pub prepared: Vec<CfgOp>,
+    pub next: usize,
+    pub reply: Reply,
+}
+
+/// One configfs operation with its paths as C strings (relative to the configfs root, except
+/// symlink targets: absolute, as the kernel resolves configfs link targets itself).
+#[derive(Debug)]
+pub(super) enum CfgOp {
+    Mkdir {
+        path: CString,
+    },
+    Write {
+        path: CString,
+        value: Vec<u8>,
+        len: u32,
+    },
+    Symlink {
+        link: CString,
+        target: CString,
+    },
+    Unlink {
+        path: CString,
+    },
+    Rmdir {
+        path: CString,
+    },
+}
+
+impl CfgOp {
+    /// Converts `op` (the `index`th of its plan) for the tree at `root`.
+    pub(super) fn prepare(index: usize, op: &Op, root: &Path) -> Result<Self, EngineError> {
+        let path = c_path(op.path())?;
+        Ok(match op {
+            Op::Mkdir { .. } => Self::Mkdir { path },
+            Op::Write { value, .. } => {
+                let len = u32::try_from(value.len()).map_err(|_| ApplyError {
+                    index,
+                    op: op.clone(),
+                    source: io::Error::from_raw_os_error(libc::EFBIG),
+                })?;
+                Self::Write {
+                    path,
+                    value: value.as_bytes().to_vec(),
+                    len,
+                }
+            }
+            Op::Symlink { target, .. } => Self::Symlink {
+                link: path,
+                target: c_path(&root.join(target))?,
+            },
+            Op::Unlink { .. } => Self::Unlink { path },
+            Op::Rmdir { .. } => Self::Rmdir { path },
+        })
+    }
+}
+
+/// Converts a plan for the configfs tree at `root`.
+pub(super) fn prepare_plan(ops: &[Op], root: &Path) -> Result<Vec<CfgOp>, EngineError> {
+    ops.iter()
+        .enumerate()
+        .map(|(i, op)| CfgOp::prepare(i, op, root))
+        .collect()
+}

@@ -1,0 +1,240 @@
+//! The io_uring engine: one ring, owned by one thread, fed by every concurrent request.
+//!
+//! Requests arrive on a channel; an eventfd read kept armed in the ring wakes the thread, so it
+//! waits in exactly one place (`io_uring_enter`) for both new work and completions. Everything
+//! queued since the last wake-up goes into the next submission.
+//!
+//! - A durable replace is two linked chains on a direct descriptor: `openat (its own temp file)
+//!   -> write -> fsync -> close`, then, once all of that succeeded, `renameat -> fsync(dir)`. A
+//!   failure anywhere stops it before the rename (a short write counts as a failure), so the
+//!   rename never installs an incomplete or unsynced file; the temp file is then removed. Two
+//!   chains because the kernel does not cancel linked entries after a failed fsync (see
+//!   `chain`).
+//! - Group commit: when several replaces/removals for one directory arrive in one round, each
+//!   gets its chains without the directory fsync, and one fsync of the directory follows once all
+//!   of them completed. Every request is answered only after a directory fsync that started after
+//!   its own rename completed.
+//! - A configfs plan runs as linked chains (attribute writes are `openat -> write -> close` on a
+//!   direct descriptor) of at most [`MAX_OPS_PER_CHAIN`] operations, each ending after its first
+//!   mkdir, symlink, unlink or rmdir, so the plan stops at its first failure.
+//! - A push the kernel refuses is never dropped: a busy queue (`EBUSY`/`EAGAIN`) waits for the
+//!   next round, any other error answers the request with [`EngineError::Submit`].
+//!
+//! The modules, by concept:
+//! - `probe`: the ring is created disabled, its opcodes probed, then restricted to exactly the
+//!   opcodes and SQE flags the engine uses, and enabled.
+//! - `job`: requests as the ring thread receives them (durable and configfs are separate types).
+//! - `chain`: pure chain builders (entries, their steps, link flags), and which opcodes' failures
+//!   cancel a chain.
+//! - `flight`: pure bookkeeping (user data, chain completions, slots); `group`: group commit.
+//! - `queue`: pushes and submits, and the eventfd. With one push in `ring`, the only `unsafe`.
+//! - `ring`: the ring thread's loop.
+
+mod chain;
+mod flight;
+mod group;
+mod job;
+mod probe;
+mod queue;
+mod ring;
+
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use pillar_nvmet::Op;
+use tokio::sync::oneshot;
+
+pub use chain::MAX_OPS_PER_CHAIN;
+
+use super::{BatchObserver, DurableDir, EngineError, EngineStats, FaultInjection};
+use chain::ChainOptions;
+use flight::SlotPool;
+use job::{ConfigfsJob, DurableJob, DurableKind, Job, Reply, prepare_plan};
+use queue::{EventFd, Queue};
+use ring::RingThread;
+
+/// Submission queue size.
+const RING_ENTRIES: u32 = 256;
+/// Direct-descriptor slots: one per request in flight that opens a file.
+const FILE_SLOTS: u32 = 64;
+
+/// Options of the io_uring engine.
+#[derive(Clone, Default)]
+pub struct UringConfig {
+    fault: FaultInjection,
+    batch_observer: Option<BatchObserver>,
+    #[cfg(feature = "fault-injection")]
+    submit_failures: Option<queue::SubmitFailures>,
+}
+
+impl UringConfig {
+    /// Reports each submission's size to `observer`.
+    #[must_use]
+    pub fn with_batch_observer(mut self, observer: BatchObserver) -> Self {
+        self.batch_observer = Some(observer);
+        self
+    }
+
+    /// Fails one step of every durable operation (crash-safety tests).
+    #[cfg(feature = "fault-injection")]
+    #[must_use]
+    pub fn with_fault(mut self, fault: FaultInjection) -> Self {
+        self.fault = fault;
+        self
+    }
+
+    /// Makes the next `times` pushes of entries fail as if the submission queue were full and
+    /// the submit that makes room failed with `errno` (tests of the push error path: `EBUSY`
+    /// and `EAGAIN` are retried after reaping, any other errno is the caller's error).
+    #[cfg(feature = "fault-injection")]
+    #[must_use]
+    pub fn with_failing_submits(mut self, errno: i32, times: u32) -> Self {
+        self.submit_failures = Some(queue::SubmitFailures { errno, times });
+        self
+    }
+}
+
+impl std::fmt::Debug for UringConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringConfig")
+            .field("fault", &self.fault)
+            .finish_non_exhaustive()
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct UringEngine {
+    tx: Mutex<Option<Sender<Job>>>,
+    wake: Arc<EventFd>,
+    stats: Arc<EngineStats>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl UringEngine {
+    /// Creates the restricted ring (see `probe`: opcodes probed, direct-descriptor table
+    /// registered, only the engine's opcodes and flags allowed) and starts the ring thread. A
+    /// clear [`EngineError::Unavailable`] when io_uring cannot be used.
+    pub fn start(config: UringConfig) -> Result<Self, EngineError> {
+        let setup = probe::restricted_ring(RING_ENTRIES, FILE_SLOTS)?;
+        let wake = Arc::new(EventFd::new().map_err(|e| probe::unavailable("eventfd", &e))?);
+        let stats = Arc::new(EngineStats::default());
+        let queue = Queue::new(
+            setup.ring,
+            Arc::clone(&wake),
+            Arc::clone(&stats),
+            config.batch_observer,
+        );
+        #[cfg(feature = "fault-injection")]
+        let queue = queue.with_submit_failures(config.submit_failures);
+        let options = ChainOptions {
+            skip_success: setup.skip_success,
+            fault: config.fault,
+        };
+        let (tx, rx) = mpsc::channel();
+        let thread = RingThread::new(
+            queue,
+            rx,
+            SlotPool::new(FILE_SLOTS),
+            options,
+            Arc::clone(&stats),
+        );
+        let handle = std::thread::Builder::new()
+            .name("pillar-uring".into())
+            .spawn(move || thread.run())
+            .map_err(|e| probe::unavailable("spawning the ring thread", &e))?;
+        Ok(Self {
+            tx: Mutex::new(Some(tx)),
+            wake,
+            stats,
+            thread: Mutex::new(Some(handle)),
+        })
+    }
+
+    pub(super) fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Hands the request `job(reply)` to the ring thread and waits for its answer.
+    async fn submit(&self, job: impl FnOnce(Reply) -> Job) -> Result<(), EngineError> {
+        let (reply, rx) = oneshot::channel();
+        {
+            let guard = self.tx.lock().map_err(|_| EngineError::Stopped)?;
+            let tx = guard.as_ref().ok_or(EngineError::Stopped)?;
+            tx.send(job(reply)).map_err(|_| EngineError::Stopped)?;
+        }
+        self.wake.signal();
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    pub(super) async fn replace_file(
+        &self,
+        dir: &Arc<DurableDir>,
+        name: &str,
+        data: Vec<u8>,
+    ) -> Result<(), EngineError> {
+        let path = dir.path().join(name);
+        let kind = DurableKind::replace(name, data, &path)?;
+        self.submit_durable(dir, path, kind).await
+    }
+
+    pub(super) async fn remove_file(
+        &self,
+        dir: &Arc<DurableDir>,
+        name: &str,
+    ) -> Result<(), EngineError> {
+        let kind = DurableKind::remove(name)?;
+        self.submit_durable(dir, dir.path().join(name), kind).await
+    }
+
+    async fn submit_durable(
+        &self,
+        dir: &Arc<DurableDir>,
+        path: std::path::PathBuf,
+        kind: DurableKind,
+    ) -> Result<(), EngineError> {
+        self.submit(|reply| {
+            Job::Durable(DurableJob {
+                dir: Arc::clone(dir),
+                path,
+                kind,
+                reply,
+            })
+        })
+        .await
+    }
+
+    pub(super) async fn apply_configfs(
+        &self,
+        root: &Arc<DurableDir>,
+        ops: Vec<Op>,
+    ) -> Result<(), EngineError> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let prepared = prepare_plan(&ops, root.path())?;
+        self.submit(|reply| {
+            Job::Configfs(ConfigfsJob {
+                root: Arc::clone(root),
+                ops,
+                prepared,
+                next: 0,
+                reply,
+            })
+        })
+        .await
+    }
+}
+
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
+        self.wake.signal();
+        if let Some(handle) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = handle.join();
+        }
+    }
+}
