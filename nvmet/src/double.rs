@@ -4,7 +4,7 @@
 //! It stands in for the kernel only where configfs cannot run (unit tests, the single-machine
 //! mode on a kernel without nvmet); it is always named as a double, and the real kernel checks
 //! the same plans in the kernel lane. Invariants it keeps, each taken from the kernel source
-//! (drivers/nvme/target/configfs.c, fs/configfs) and listed in FACTS.md:
+//! (drivers/nvme/target/configfs.c, fs/configfs) and listed in `docs/rules.md` (K2-K9):
 //! - `device_path`, `device_uuid`, `device_nguid` on an enabled namespace: EBUSY;
 //!   `resv_enable`, `buffered_io` on an enabled namespace: EINVAL;
 //! - a port's `addr_*` while any subsystem is linked to it: EACCES;

@@ -2,7 +2,7 @@
 //! primitive configfs operations.
 //!
 //! A plan is data (paths relative to the nvmet root), so an executor can run it synchronously or
-//! submit it to io_uring in batches. Every plan obeys the kernel's rules (FACTS.md):
+//! submit it to io_uring in batches. Every plan obeys the kernel's rules (`docs/rules.md` K2-K16):
 //! - identity (`attr_serial`, `device_uuid`, `device_nguid`) and `device_path` are written before
 //!   a namespace is enabled, and before the subsystem is first linked to a port;
 //! - the identity of an enabled namespace and the serial of a port-linked subsystem are never

@@ -1,5 +1,5 @@
-//! One test per kernel rule of nvmet configfs (FACTS.md): the double refuses the wrong order with
-//! the kernel's errno, and the planner never produces that order.
+//! One test per kernel rule of nvmet configfs (`docs/rules.md` K2-K16): the double refuses the
+//! wrong order with the kernel's errno, and the planner never produces that order.
 #![allow(clippy::unwrap_used)]
 
 mod common;

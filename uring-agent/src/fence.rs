@@ -1,7 +1,7 @@
 //! Stale-operation fencing: one durable mark per volume and the rules that check a request's
 //! token against it.
 //!
-//! Invariants (REQUIREMENTS F4-F9):
+//! Invariants (`docs/rules.md` F4-F9):
 //! - A mark holds the owning lifecycle UID, the highest generation applied, whether that
 //!   lifecycle has ended, and the UIDs of earlier (retired) lifecycles.
 //! - [`decide`] is pure: given the mark and a request it either rejects the request or says which

@@ -1,5 +1,5 @@
 //! This crate's tests. Each names the rule it proves (`// proves W1`, ...), see
-//! shared/notes/REQUIREMENTS.md.
+//! `docs/rules.md`.
 
 mod contract;
 mod crds;
