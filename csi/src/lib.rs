@@ -11,6 +11,7 @@ pub mod csi {
 }
 
 pub mod agents;
+pub mod capability;
 pub mod context;
 pub mod controller;
 pub mod identity;

@@ -6,6 +6,7 @@ mod support;
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_csi::csi;
+use pillar_state::faults::VolumeWrite;
 use pillar_state::store::Revision;
 use support::{
     AGENT, Env, Mode, StoreKind, create, delete, host, node_id, nqn, publish, unpublish,
@@ -631,4 +632,96 @@ async fn racing_publishes_of_one_rwo_volume_have_exactly_one_winner() {
             .unwrap();
     }
     env.client.delete_volume(delete("race")).await.unwrap();
+}
+
+// A size the agent grew the volume to is recorded, or the call fails: under persistent
+// conflicts the controller answers ABORTED (retry), never OK with the old size on record.
+#[tokio::test]
+async fn expand_under_persistent_conflicts_is_aborted() {
+    let mut env = Env::start(StoreKind::Embedded, true).await;
+    env.client
+        .create_volume(create("grow", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    env.faults.conflict(VolumeWrite::Spec, usize::MAX);
+    let status = env
+        .client
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: "grow".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 32 << 20,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Aborted, "{}", status.message());
+    assert_eq!(
+        env.faults.injected(VolumeWrite::Spec),
+        pillar_csi::controller::CAS_ATTEMPTS,
+        "every attempt conflicted"
+    );
+    let recorded = env.store.get_volume("grow").await.unwrap().unwrap();
+    assert_eq!(recorded.spec.size_bytes, 16 << 20, "nothing recorded");
+    // Once the conflicts stop, the retry records the size.
+    env.faults.conflict(VolumeWrite::Spec, 0);
+    let grown = env
+        .client
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: "grow".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 32 << 20,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, 32 << 20);
+    let recorded = env.store.get_volume("grow").await.unwrap().unwrap();
+    assert_eq!(recorded.spec.size_bytes, 32 << 20);
+    env.client.delete_volume(delete("grow")).await.unwrap();
+}
+
+// The agent's NOT_FOUND reaches the CSI caller as NOT_FOUND (typed reason, not INTERNAL): the
+// storage node lost the volume's backing file.
+#[tokio::test]
+async fn an_agent_not_found_is_not_found_for_the_csi_caller() {
+    let mut env = Env::start(StoreKind::Embedded, true).await;
+    env.client
+        .create_volume(create("lost", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let backing: Vec<_> = std::fs::read_dir(&env.agent.pool)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("lost.")
+        })
+        .collect();
+    assert_eq!(backing.len(), 1, "{backing:?}");
+    std::fs::remove_file(&backing[0]).unwrap();
+    let status = env
+        .client
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: "lost".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 32 << 20,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{}", status.message());
+    assert!(
+        status.message().contains("does not exist"),
+        "{}",
+        status.message()
+    );
 }

@@ -211,7 +211,7 @@ impl Engine {
             self.format(&device, fs_type, ctx)?;
             record.phase = StagePhase::Formatted;
             self.write_record(&record)?;
-            self.mount_staging(&device, staging, fs_type, cap.reader_only, flags)?;
+            self.mount_staging(&device, staging, fs_type, cap.reader_only(), flags)?;
         }
         // For a block volume nothing is mounted at the staging path: `Mounted` means "staged".
         record.phase = StagePhase::Mounted;
@@ -359,7 +359,7 @@ impl Engine {
         } else {
             "a filesystem".to_owned()
         };
-        let readonly = readonly || cap.reader_only;
+        let readonly = readonly || cap.reader_only();
         match (rec.mode, cap.is_block()) {
             (StageMode::Filesystem { .. }, false) => {
                 let Some(staged) = check_mount(staging)? else {

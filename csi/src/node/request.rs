@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use pillar_host::{ConnectOptions, FsType, StageMode};
+use pillar_host::{ConnectOptions, FsType};
 use pillar_nvmet::{HostNqn, SubsystemNqn, VolumeId};
 use uuid::Uuid;
 
@@ -13,8 +13,6 @@ use super::NodeError;
 use super::config::AttachMode;
 use crate::context;
 use crate::csi::VolumeCapability;
-use crate::csi::volume_capability::AccessType;
-use crate::csi::volume_capability::access_mode::Mode;
 
 /// A non-empty, valid pillar volume ID.
 pub(crate) fn volume_id(id: &str) -> Result<VolumeId, NodeError> {
@@ -58,92 +56,18 @@ pub(crate) fn published_path(field: &'static str, value: &str) -> Result<PathBuf
     Ok(p.to_path_buf())
 }
 
-/// How the workload sees the volume.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Access {
-    Block,
-    Mount {
-        /// The capability's `fs_type`; `None` when empty.
-        fs: Option<FsType>,
-        flags: Vec<String>,
-    },
-}
+use crate::capability::CapabilityError;
+pub(crate) use crate::capability::{Access, Capability};
 
-/// A checked volume capability.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Capability {
-    pub access: Access,
-    /// The access mode allows reading only.
-    pub reader_only: bool,
-}
-
-impl Capability {
-    /// The stage mode this capability asks for, with `default_fs` for a mount without a type.
-    pub fn stage_mode(&self, default_fs: FsType) -> StageMode {
-        match &self.access {
-            Access::Block => StageMode::Block,
-            Access::Mount { fs, .. } => StageMode::Filesystem {
-                fs_type: fs.unwrap_or(default_fs),
-            },
-        }
-    }
-
-    pub fn is_block(&self) -> bool {
-        self.access == Access::Block
-    }
-}
-
-/// Checks a volume capability: an access type, a known access mode other than
-/// MULTI_NODE_MULTI_WRITER, and for a mount an `fs_type` of ext4, xfs or empty.
+/// Checks a volume capability with the parser the controller uses too.
 pub(crate) fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeError> {
     let cap = cap.ok_or(NodeError::MissingField("volume_capability"))?;
-    let raw_mode = cap
-        .access_mode
-        .ok_or(NodeError::MissingField("volume_capability.access_mode"))?
-        .mode;
-    let mode = Mode::try_from(raw_mode)
-        .map_err(|_| NodeError::UnsupportedCapability(format!("unknown access mode {raw_mode}")))?;
-    let reader_only = match mode {
-        Mode::Unknown => {
-            return Err(NodeError::UnsupportedCapability(
-                "access mode UNKNOWN".into(),
-            ));
+    crate::capability::parse(cap).map_err(|e| match e {
+        CapabilityError::Missing("access mode") => {
+            NodeError::MissingField("volume_capability.access_mode")
         }
-        Mode::MultiNodeMultiWriter => {
-            return Err(NodeError::UnsupportedCapability(
-                "MULTI_NODE_MULTI_WRITER: a pillar volume has one writer".into(),
-            ));
-        }
-        Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly => true,
-        Mode::SingleNodeWriter
-        | Mode::MultiNodeSingleWriter
-        | Mode::SingleNodeSingleWriter
-        | Mode::SingleNodeMultiWriter => false,
-    };
-    let access = match cap
-        .access_type
-        .as_ref()
-        .ok_or(NodeError::MissingField("volume_capability.access_type"))?
-    {
-        AccessType::Block(_) => Access::Block,
-        AccessType::Mount(m) => {
-            let fs = match m.fs_type.as_str() {
-                "" => None,
-                other => Some(FsType::parse(other).map_err(|_| {
-                    NodeError::UnsupportedCapability(format!(
-                        "filesystem {other:?} (pillar supports ext4 and xfs)"
-                    ))
-                })?),
-            };
-            Access::Mount {
-                fs,
-                flags: m.mount_flags.clone(),
-            }
-        }
-    };
-    Ok(Capability {
-        access,
-        reader_only,
+        CapabilityError::Missing(_) => NodeError::MissingField("volume_capability.access_type"),
+        other => NodeError::UnsupportedCapability(other.to_string()),
     })
 }
 
@@ -298,8 +222,11 @@ pub(crate) fn stage_context(
 
 #[cfg(test)]
 mod tests {
+    use pillar_host::StageMode;
+
     use super::*;
-    use crate::csi::volume_capability::{AccessMode, BlockVolume, MountVolume};
+    use crate::csi::volume_capability::access_mode::Mode;
+    use crate::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
 
     const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0a0a0a0a-0000-4000-8000-00000000000a";
 
@@ -326,9 +253,9 @@ mod tests {
                 fs_type: FsType::Xfs
             }
         );
-        assert!(!c.reader_only);
+        assert!(!c.reader_only());
         let c = capability(Some(&cap(Mode::MultiNodeReaderOnly, mount("ext4")))).unwrap();
-        assert!(c.reader_only);
+        assert!(c.reader_only());
         assert_eq!(
             c.stage_mode(FsType::Xfs),
             StageMode::Filesystem {

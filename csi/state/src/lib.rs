@@ -8,7 +8,8 @@
 //! - [`embedded`]: [`EmbeddedStore`], the same semantics on a local directory (single-machine
 //!   mode).
 //! - `apiserver_double` (feature `test-double`, and in this crate's tests): a Kubernetes API
-//!   server test double for these resources.
+//!   server test double for these resources; `faults` (same feature): a store wrapper that
+//!   makes chosen compare-and-swap writes conflict.
 
 pub mod crd;
 pub mod embedded;
@@ -17,6 +18,8 @@ pub mod store;
 
 #[cfg(any(test, feature = "test-double"))]
 pub mod apiserver_double;
+#[cfg(any(test, feature = "test-double"))]
+pub mod faults;
 
 #[cfg(test)]
 mod test_support;

@@ -19,6 +19,7 @@ use pillar_csi::csi::controller_client::ControllerClient;
 use pillar_state::apiserver_double::ApiServerDouble;
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
 use pillar_state::embedded::EmbeddedStore;
+use pillar_state::faults::FaultyStore;
 use pillar_state::kube_store::KubeStore;
 use pillar_state::store::StateStore;
 use tokio::net::UnixStream;
@@ -128,6 +129,8 @@ pub struct Env {
     pub dir: tempfile::TempDir,
     pub agent: AgentUnderTest,
     pub store: Arc<dyn StateStore>,
+    /// The controller's store: `store` behind a wrapper that can make writes conflict.
+    pub faults: Arc<FaultyStore>,
     pub controller: Arc<Controller>,
     pub client: ControllerClient<Channel>,
     pub double: Option<ApiServerDouble>,
@@ -181,8 +184,9 @@ impl Env {
             )
             .await
             .unwrap();
+        let faults = FaultyStore::new(Arc::clone(&store));
         let controller = Controller::new(
-            Arc::clone(&store),
+            Arc::clone(&faults) as Arc<dyn StateStore>,
             Agents::new(None, true, Duration::from_secs(10)),
         );
         // The agent just started: it waits for the resync the controller sends.
@@ -208,6 +212,7 @@ impl Env {
             dir,
             agent,
             store,
+            faults,
             controller,
             client,
             double,

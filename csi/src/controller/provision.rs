@@ -1,0 +1,330 @@
+//! CreateVolume, DeleteVolume and ControllerExpandVolume: a volume's lifecycle.
+//!
+//! - The PillarVolumeState is created before anything exists on a storage node (F10); a volume
+//!   without one owns nothing, and deleting it needs no agent call.
+//! - Every agent call carries a fresh token (F1, F2), taken by compare-and-swap pinned to the
+//!   lifecycle the call started on (F3).
+//! - DeleteVolume refuses while a publication is recorded (W5) and fails closed without the
+//!   PillarAgent (C1).
+//! - A size the agent grew the volume to is recorded, or the call is ABORTED: it never reports
+//!   a size the record does not hold.
+
+use std::collections::{BTreeMap, HashMap};
+
+use pillar_agent_api::v1 as agent_api;
+use pillar_state::crd::{PillarAgent, PillarProtocol, PillarVolumeState, PillarVolumeStateSpec};
+use pillar_state::store::StoreError;
+
+use super::agent::export_request;
+use super::error::{ControllerError, agent_err};
+use super::record::Write;
+use super::request::{self, Create, VolumeRef};
+use super::{Controller, params};
+use crate::agents::Client;
+use crate::{context, csi};
+
+fn saturating_i64(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+impl Controller {
+    /// The agent and pool a StorageClass names, or the only ones there are.
+    pub(super) async fn pick_agent(
+        &self,
+        parameters: &HashMap<String, String>,
+    ) -> Result<(PillarAgent, String), ControllerError> {
+        let invalid = ControllerError::InvalidArgument;
+        let agent = match parameters.get(params::AGENT) {
+            Some(name) => self.store.get_agent(name).await?.ok_or_else(|| {
+                invalid(format!(
+                    "PillarAgent {name:?} named in {} does not exist",
+                    params::AGENT
+                ))
+            })?,
+            None => {
+                let mut all = self.store.list_agents().await?;
+                if all.len() != 1 {
+                    return Err(invalid(format!(
+                        "{} agents exist; name one with the {} parameter",
+                        all.len(),
+                        params::AGENT
+                    )));
+                }
+                all.remove(0)
+            }
+        };
+        let pool = match (parameters.get(params::POOL), agent.spec.pools.as_slice()) {
+            (Some(p), pools) if pools.iter().any(|x| x.name == *p) => p.clone(),
+            (Some(p), _) => return Err(invalid(format!("agent has no pool {p:?}"))),
+            (None, [only]) => only.name.clone(),
+            (None, _) => {
+                return Err(invalid(format!(
+                    "name the pool with the {} parameter",
+                    params::POOL
+                )));
+            }
+        };
+        Ok((agent, pool))
+    }
+
+    async fn pick_protocol(
+        &self,
+        parameters: &HashMap<String, String>,
+    ) -> Result<PillarProtocol, ControllerError> {
+        if let Some(name) = parameters.get(params::PROTOCOL) {
+            return self
+                .store
+                .get_protocol(name)
+                .await?
+                .ok_or_else(|| ControllerError::ProtocolMissing(name.clone()));
+        }
+        let mut all = self.store.list_protocols().await?;
+        if all.len() != 1 {
+            return Err(ControllerError::InvalidArgument(format!(
+                "{} protocols exist; name one with the {} parameter",
+                all.len(),
+                params::PROTOCOL
+            )));
+        }
+        Ok(all.remove(0))
+    }
+
+    /// The volume's record: the existing one if it matches the request, else a new one (F10).
+    async fn find_or_record(&self, req: &Create) -> Result<PillarVolumeState, ControllerError> {
+        let name = req.volume.to_string();
+        let mode = req.capability.mode;
+        let volume_mode = req.capability.volume_mode();
+        if let Some(v) = self.store.get_volume(&name).await? {
+            if v.spec.access_mode != mode
+                || v.spec.volume_mode != volume_mode
+                || !req.size.fits(v.spec.size_bytes)
+            {
+                let what = format!(
+                    "{:?}/{:?} with {} bytes",
+                    v.spec.access_mode, v.spec.volume_mode, v.spec.size_bytes
+                );
+                return Err(ControllerError::AlreadyExists(name, what));
+            }
+            return Ok(v);
+        }
+        let (agent, pool) = self.pick_agent(&req.parameters).await?;
+        let protocol = self.pick_protocol(&req.parameters).await?;
+        let spec = PillarVolumeStateSpec {
+            volume_id: name.clone(),
+            agent: agent.metadata.name.clone().unwrap_or_default(),
+            pool,
+            size_bytes: req.size.size(),
+            access_mode: mode,
+            volume_mode,
+            protocol: protocol.metadata.name.clone().unwrap_or_default(),
+            parameters: req
+                .parameters
+                .clone()
+                .into_iter()
+                .collect::<BTreeMap<_, _>>(),
+        };
+        match self.store.create_volume(&name, spec).await {
+            Ok(v) => Ok(v),
+            // Another replica recorded it first: retry, and find it.
+            Err(StoreError::AlreadyExists { .. }) => {
+                Err(ControllerError::Contention { volume: name })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// CreateVolume: record, backing device, export.
+    pub async fn create_volume(
+        &self,
+        req: csi::CreateVolumeRequest,
+    ) -> Result<csi::CreateVolumeResponse, ControllerError> {
+        let req = request::create(req)?;
+        let name = req.volume.to_string();
+        let _lock = self.locks.lock(name.clone()).await;
+        let state = self.find_or_record(&req).await?;
+        let uid = state.metadata.uid.clone().unwrap_or_default();
+        let (agent, client) = self.agent_of(&state).await?;
+        let protocol = self.protocol_of(&state).await?;
+        let t = self.next_token(&name, &uid).await?;
+        let created = self
+            .with_resync(&agent, &client, |mut c| {
+                let r = agent_api::CreateVolumeRequest {
+                    token: t.clone(),
+                    volume_id: name.clone(),
+                    pool: state.spec.pool.clone(),
+                    size_bytes: state.spec.size_bytes,
+                };
+                async move { c.create_volume(r).await }
+            })
+            .await
+            .map_err(agent_err("CreateVolume", &name))?
+            .into_inner();
+        if req.size.limit != 0 && created.size_bytes > req.size.limit {
+            return Err(ControllerError::OutOfRange(format!(
+                "the pool rounds the volume to {} bytes, above limit_bytes {}",
+                created.size_bytes, req.size.limit
+            )));
+        }
+        let exported = self.export(&agent, &client, &name, &uid, &protocol).await?;
+        tracing::info!(volume = %name, agent = %state.spec.agent, size = created.size_bytes, "volume created and exported");
+        Ok(csi::CreateVolumeResponse {
+            volume: Some(csi::Volume {
+                capacity_bytes: saturating_i64(created.size_bytes),
+                volume_id: name,
+                volume_context: [(context::NQN.to_owned(), exported.subsystem_nqn)]
+                    .into_iter()
+                    .collect(),
+                content_source: None,
+                accessible_topology: Vec::new(),
+            }),
+        })
+    }
+
+    /// Exports the volume as its record says, with a fresh token.
+    async fn export(
+        &self,
+        agent: &PillarAgent,
+        client: &Client,
+        name: &str,
+        uid: &str,
+        protocol: &PillarProtocol,
+    ) -> Result<agent_api::ExportResponse, ControllerError> {
+        let t = self.next_token(name, uid).await?;
+        let current = self
+            .store
+            .get_volume(name)
+            .await?
+            .filter(|v| v.metadata.uid.as_deref() == Some(uid))
+            .ok_or_else(|| ControllerError::LifecycleGone {
+                volume: name.to_owned(),
+            })?;
+        let request = export_request(&current, protocol, t);
+        let exported = self
+            .with_resync(agent, client, |mut c| {
+                let r = request.clone();
+                async move { c.export(r).await }
+            })
+            .await
+            .map_err(agent_err("Export", name))?
+            .into_inner();
+        if exported.identity_adopted {
+            tracing::warn!(volume = %name, "the storage node kept a live non-derived identity for this volume; nodes will refuse to stage it until it is re-exported");
+        }
+        Ok(exported)
+    }
+
+    /// DeleteVolume: unexport, delete the backing device (the agent ends the lifecycle in its
+    /// mark), then delete the record.
+    pub async fn delete_volume(
+        &self,
+        req: csi::DeleteVolumeRequest,
+    ) -> Result<csi::DeleteVolumeResponse, ControllerError> {
+        // An ID pillar never issues names no volume: nothing to delete.
+        let VolumeRef::Pillar(volume) = request::delete(&req)? else {
+            return Ok(csi::DeleteVolumeResponse {});
+        };
+        let name = volume.to_string();
+        let _lock = self.locks.lock(name.clone()).await;
+        // F10: no record, nothing on any agent.
+        let Some(state) = self.store.get_volume(&name).await? else {
+            return Ok(csi::DeleteVolumeResponse {});
+        };
+        refuse_while_published(&state)?;
+        let uid = state.metadata.uid.clone().unwrap_or_default();
+        let (agent, client) = self.agent_of(&state).await?;
+        let t = self.next_token(&name, &uid).await?;
+        self.with_resync(&agent, &client, |mut c| {
+            let r = agent_api::UnexportRequest {
+                token: t.clone(),
+                volume_id: name.clone(),
+            };
+            async move { c.unexport(r).await }
+        })
+        .await
+        .map_err(agent_err("Unexport", &name))?;
+        let t = self.next_token(&name, &uid).await?;
+        self.with_resync(&agent, &client, |mut c| {
+            let r = agent_api::DeleteVolumeRequest {
+                token: t.clone(),
+                volume_id: name.clone(),
+                pool: state.spec.pool.clone(),
+            };
+            async move { c.delete_volume(r).await }
+        })
+        .await
+        .map_err(agent_err("DeleteVolume", &name))?;
+        match self
+            .compare_and_swap(&name, &uid, |_| Ok((Write::Delete, ())))
+            .await
+        {
+            Ok(_) | Err(ControllerError::LifecycleGone { .. }) => {
+                tracing::info!(volume = %name, "volume deleted");
+                Ok(csi::DeleteVolumeResponse {})
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// ControllerExpandVolume: the agent grows the volume (and its live namespace), then the
+    /// new size is recorded.
+    pub async fn expand(
+        &self,
+        req: csi::ControllerExpandVolumeRequest,
+    ) -> Result<csi::ControllerExpandVolumeResponse, ControllerError> {
+        let req = request::expand(&req)?;
+        let name = req.volume.existing()?.to_string();
+        let _lock = self.locks.lock(name.clone()).await;
+        let state = self
+            .store
+            .get_volume(&name)
+            .await?
+            .ok_or_else(|| ControllerError::VolumeNotFound(name.clone()))?;
+        let uid = state.metadata.uid.clone().unwrap_or_default();
+        let (agent, client) = self.agent_of(&state).await?;
+        let t = self.next_token(&name, &uid).await?;
+        let grown = self
+            .with_resync(&agent, &client, |mut c| {
+                let r = agent_api::ExpandVolumeRequest {
+                    token: t.clone(),
+                    volume_id: name.clone(),
+                    pool: state.spec.pool.clone(),
+                    size_bytes: req.required,
+                };
+                async move { c.expand_volume(r).await }
+            })
+            .await
+            .map_err(agent_err("ExpandVolume", &name))?
+            .into_inner();
+        // The size is recorded or the call fails (ABORTED after persistent conflicts): the
+        // caller never hears of a size the record does not hold.
+        self.compare_and_swap(&name, &uid, |current| {
+            let mut spec = current.spec.clone();
+            spec.size_bytes = grown.size_bytes;
+            Ok((Write::Spec(spec), ()))
+        })
+        .await?;
+        Ok(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: saturating_i64(grown.size_bytes),
+            node_expansion_required: state.spec.volume_mode
+                == pillar_state::crd::VolumeMode::Filesystem,
+        })
+    }
+}
+
+/// W5: no delete while any publication is recorded.
+fn refuse_while_published(state: &PillarVolumeState) -> Result<(), ControllerError> {
+    let published: Vec<String> = state
+        .status_or_default()
+        .published_nodes
+        .iter()
+        .map(|p| p.node.clone())
+        .collect();
+    if published.is_empty() {
+        Ok(())
+    } else {
+        Err(ControllerError::StillPublished {
+            volume: state.spec.volume_id.clone(),
+            nodes: published,
+        })
+    }
+}

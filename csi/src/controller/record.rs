@@ -1,0 +1,123 @@
+//! Writes to a volume's PillarVolumeState: one compare-and-swap loop for every kind of write.
+//!
+//! Each write is decided from the record as read and made with that record's revision: the
+//! decision and the write are one atomic step, whatever another controller replica does in
+//! between (it makes the write conflict, and the decision is taken again on the new record).
+//! Every write is pinned to the lifecycle (UID) the operation started with (F3): a record that
+//! is gone or belongs to another lifecycle ends the operation with `LifecycleGone`. A write
+//! that keeps conflicting is ABORTED after [`CAS_ATTEMPTS`], never dropped and never reported
+//! as done.
+
+use pillar_agent_api::v1 as agent_api;
+use pillar_state::crd::{PillarVolumeState, PillarVolumeStateSpec, PillarVolumeStateStatus};
+use pillar_state::store::Revision;
+
+use super::Controller;
+use super::error::ControllerError;
+
+/// How often a contended compare-and-swap is retried before the call is ABORTED.
+pub const CAS_ATTEMPTS: usize = 32;
+
+/// The write a decision asks for.
+#[derive(Debug)]
+pub enum Write {
+    Status(PillarVolumeStateStatus),
+    Spec(PillarVolumeStateSpec),
+    Delete,
+}
+
+/// A fencing token of lifecycle `uid` at `generation`.
+pub fn token(uid: &str, generation: u64) -> Option<agent_api::FencingToken> {
+    Some(agent_api::FencingToken {
+        lifecycle_uid: uid.to_owned(),
+        generation,
+    })
+}
+
+impl Controller {
+    /// Reads `name`'s record of lifecycle `uid`, asks `decide` what to write, and writes it by
+    /// compare-and-swap; on a conflict, reads and decides again. Returns the record after the
+    /// write (`None` once deleted) and what `decide` returned with the write that landed.
+    pub(super) async fn compare_and_swap<T>(
+        &self,
+        name: &str,
+        uid: &str,
+        mut decide: impl FnMut(&PillarVolumeState) -> Result<(Write, T), ControllerError>,
+    ) -> Result<(Option<PillarVolumeState>, T), ControllerError> {
+        let gone = || ControllerError::LifecycleGone {
+            volume: name.to_owned(),
+        };
+        for _ in 0..CAS_ATTEMPTS {
+            let current = self
+                .store
+                .get_volume(name)
+                .await?
+                .filter(|v| v.metadata.uid.as_deref() == Some(uid))
+                .ok_or_else(gone)?;
+            let (write, out) = decide(&current)?;
+            let rev = Revision::of(&current)?;
+            let written = match write {
+                Write::Status(status) => self
+                    .store
+                    .replace_volume_status(name, &rev, status)
+                    .await
+                    .map(Some),
+                Write::Spec(spec) => self
+                    .store
+                    .replace_volume_spec(name, &rev, spec)
+                    .await
+                    .map(Some),
+                Write::Delete => self.store.delete_volume(name, &rev).await.map(|()| None),
+            };
+            match written {
+                Ok(after) => return Ok((after, out)),
+                Err(e) if e.is_conflict() => continue,
+                Err(e) if e.is_lifecycle_gone() => return Err(gone()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ControllerError::Contention {
+            volume: name.to_owned(),
+        })
+    }
+
+    /// A status change decided from the current record: `change` edits a copy of the status, or
+    /// refuses.
+    pub(super) async fn update_status<T>(
+        &self,
+        name: &str,
+        uid: &str,
+        mut change: impl FnMut(
+            &PillarVolumeState,
+            &mut PillarVolumeStateStatus,
+        ) -> Result<T, ControllerError>,
+    ) -> Result<(PillarVolumeState, T), ControllerError> {
+        let (after, out) = self
+            .compare_and_swap(name, uid, |current| {
+                let mut status = current.status_or_default();
+                let out = change(current, &mut status)?;
+                Ok((Write::Status(status), out))
+            })
+            .await?;
+        let after = after.ok_or_else(|| ControllerError::LifecycleGone {
+            volume: name.to_owned(),
+        })?;
+        Ok((after, out))
+    }
+
+    /// A fresh fencing token for `name`'s lifecycle `uid` (F2, F3): the generation bumped by
+    /// compare-and-swap.
+    pub(super) async fn next_token(
+        &self,
+        name: &str,
+        uid: &str,
+    ) -> Result<Option<agent_api::FencingToken>, ControllerError> {
+        let (_, generation) = self
+            .update_status(name, uid, |_, s| {
+                s.publication_generation += 1;
+                Ok(s.publication_generation)
+            })
+            .await?;
+        Ok(token(uid, generation))
+    }
+}

@@ -1,0 +1,197 @@
+//! The tonic adapter: each CSI Controller RPC runs its [`Controller`] method in a span carrying
+//! the volume ID, and its error becomes a status through the code table (`error::code_of`).
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use super::Controller;
+use super::error::{ControllerError, to_status};
+use crate::csi;
+
+/// The tonic service over a [`Controller`].
+#[derive(Debug, Clone)]
+pub struct ControllerService {
+    inner: Arc<Controller>,
+}
+
+impl ControllerService {
+    /// Serves `controller`.
+    pub fn new(controller: Arc<Controller>) -> Self {
+        Self { inner: controller }
+    }
+}
+
+async fn respond<T>(
+    method: &'static str,
+    volume: &str,
+    work: impl Future<Output = Result<T, ControllerError>>,
+) -> Result<Response<T>, Status> {
+    use tracing::Instrument;
+    let span = tracing::info_span!("csi", method, volume_id = volume);
+    match work.instrument(span.clone()).await {
+        Ok(v) => Ok(Response::new(v)),
+        Err(e) => {
+            let status = to_status(&e);
+            span.in_scope(|| tracing::info!(code = ?status.code(), "{}", status.message()));
+            Err(status)
+        }
+    }
+}
+
+fn cap(t: csi::controller_service_capability::rpc::Type) -> csi::ControllerServiceCapability {
+    csi::ControllerServiceCapability {
+        r#type: Some(csi::controller_service_capability::Type::Rpc(
+            csi::controller_service_capability::Rpc { r#type: t.into() },
+        )),
+    }
+}
+
+#[tonic::async_trait]
+impl csi::controller_server::Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        r: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        let r = r.into_inner();
+        respond("CreateVolume", &r.name.clone(), self.inner.create_volume(r)).await
+    }
+    async fn delete_volume(
+        &self,
+        r: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        let r = r.into_inner();
+        respond(
+            "DeleteVolume",
+            &r.volume_id.clone(),
+            self.inner.delete_volume(r),
+        )
+        .await
+    }
+    async fn controller_publish_volume(
+        &self,
+        r: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        let r = r.into_inner();
+        respond(
+            "ControllerPublishVolume",
+            &r.volume_id.clone(),
+            self.inner.publish(r),
+        )
+        .await
+    }
+    async fn controller_unpublish_volume(
+        &self,
+        r: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        let r = r.into_inner();
+        respond(
+            "ControllerUnpublishVolume",
+            &r.volume_id.clone(),
+            self.inner.unpublish(r),
+        )
+        .await
+    }
+    async fn validate_volume_capabilities(
+        &self,
+        r: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let r = r.into_inner();
+        respond(
+            "ValidateVolumeCapabilities",
+            &r.volume_id.clone(),
+            self.inner.validate(r),
+        )
+        .await
+    }
+    async fn list_volumes(
+        &self,
+        r: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        respond("ListVolumes", "", self.inner.list(r.into_inner())).await
+    }
+    async fn get_capacity(
+        &self,
+        r: Request<csi::GetCapacityRequest>,
+    ) -> Result<Response<csi::GetCapacityResponse>, Status> {
+        respond("GetCapacity", "", self.inner.capacity(r.into_inner())).await
+    }
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+        use csi::controller_service_capability::rpc::Type;
+        Ok(Response::new(csi::ControllerGetCapabilitiesResponse {
+            capabilities: [
+                Type::CreateDeleteVolume,
+                Type::PublishUnpublishVolume,
+                Type::ListVolumes,
+                Type::ListVolumesPublishedNodes,
+                Type::GetCapacity,
+                Type::ExpandVolume,
+                Type::GetVolume,
+                Type::VolumeCondition,
+                Type::SingleNodeMultiWriter,
+            ]
+            .into_iter()
+            .map(cap)
+            .collect(),
+        }))
+    }
+    async fn create_snapshot(
+        &self,
+        _: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported"))
+    }
+    async fn delete_snapshot(
+        &self,
+        _: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported"))
+    }
+    async fn list_snapshots(
+        &self,
+        _: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported"))
+    }
+    async fn get_snapshot(
+        &self,
+        _: Request<csi::GetSnapshotRequest>,
+    ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported"))
+    }
+    async fn controller_expand_volume(
+        &self,
+        r: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let r = r.into_inner();
+        respond(
+            "ControllerExpandVolume",
+            &r.volume_id.clone(),
+            self.inner.expand(r),
+        )
+        .await
+    }
+    async fn controller_get_volume(
+        &self,
+        r: Request<csi::ControllerGetVolumeRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+        let r = r.into_inner();
+        respond(
+            "ControllerGetVolume",
+            &r.volume_id.clone(),
+            self.inner.get(r),
+        )
+        .await
+    }
+    async fn controller_modify_volume(
+        &self,
+        _: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "volume modification is not supported",
+        ))
+    }
+}
