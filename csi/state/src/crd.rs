@@ -134,7 +134,7 @@ pub struct PillarVolumeStateStatus {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PublishedNode {
-    /// Kubernetes node name (the CSI node ID).
+    /// Kubernetes node name: the first part of the CSI node ID `<node>/<host-nqn>`.
     pub node: String,
     /// The node's NVMe host NQN.
     pub host_nqn: String,
