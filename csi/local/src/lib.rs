@@ -149,6 +149,7 @@ pub async fn start(
                 .parse()
                 .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into()),
             kernel_random_identity: false,
+            hooks: Default::default(),
         },
         tls: None,
         // A unix socket in a directory only root reaches; no network listener at all.
