@@ -64,6 +64,7 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
         AgentError::Target(TargetError::CorruptIdentityRecord { .. }) => R::IdentityRecordCorrupt,
         AgentError::Target(_) => R::TargetFailed,
         AgentError::Verify(_) => R::ReadBackMismatch,
+        AgentError::Task(_) => R::AgentFailed,
     }
 }
 
@@ -146,6 +147,17 @@ fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
             .map(|h| host_nqn("allowed_host_nqns", h))
             .collect::<Result<BTreeSet<_>, _>>()?,
     })
+}
+
+/// Runs a request on its own task: once started it runs to its end (done, or a durable
+/// failure) holding its locks, whatever the caller does (F11). A caller that goes away (a
+/// deadline, a crash) drops only the wait for the answer, never the work its locks guard.
+async fn to_the_end<T: Send + 'static>(
+    work: impl Future<Output = Result<T, AgentError>> + Send + 'static,
+) -> Result<T, AgentError> {
+    tokio::spawn(work.in_current_span())
+        .await
+        .map_err(AgentError::Task)?
 }
 
 fn failed_result(volume: String, err: &AgentError) -> api::resync_exports_response::Result {
@@ -256,13 +268,16 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::CreateVolumeRequest>,
     ) -> Result<Response<api::CreateVolumeResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("CreateVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let size = size(r.size_bytes)?;
-            let info = agent
-                .create_volume(token(r.token), &volume, &r.pool, size)
-                .await?;
+            let info = to_the_end(async move {
+                agent
+                    .create_volume(token(r.token), &volume, &r.pool, size)
+                    .await
+            })
+            .await?;
             Ok(api::CreateVolumeResponse {
                 size_bytes: info.size_bytes,
             })
@@ -275,13 +290,16 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::ExpandVolumeRequest>,
     ) -> Result<Response<api::ExpandVolumeResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("ExpandVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let size = size(r.size_bytes)?;
-            let info = agent
-                .expand_volume(token(r.token), &volume, &r.pool, size)
-                .await?;
+            let info = to_the_end(async move {
+                agent
+                    .expand_volume(token(r.token), &volume, &r.pool, size)
+                    .await
+            })
+            .await?;
             Ok(api::ExpandVolumeResponse {
                 size_bytes: info.size_bytes,
             })
@@ -294,11 +312,10 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::DeleteVolumeRequest>,
     ) -> Result<Response<api::DeleteVolumeResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("DeleteVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
-            agent
-                .delete_volume(token(r.token), &volume, &r.pool)
+            to_the_end(async move { agent.delete_volume(token(r.token), &volume, &r.pool).await })
                 .await?;
             Ok(api::DeleteVolumeResponse {})
         })
@@ -310,9 +327,10 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::ExportRequest>,
     ) -> Result<Response<api::ExportResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("Export", &r.volume_id.clone(), async move {
-            let done = agent.export(export_request(r)?).await?;
+            let request = export_request(r)?;
+            let done = to_the_end(async move { agent.export(request).await }).await?;
             Ok(api::ExportResponse {
                 subsystem_nqn: done.nqn.to_string(),
                 target_address: done.address.ip().to_string(),
@@ -328,11 +346,10 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::UnexportRequest>,
     ) -> Result<Response<api::UnexportResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("Unexport", &r.volume_id.clone(), async move {
-            agent
-                .unexport(token(r.token), &volume_id(&r.volume_id)?)
-                .await?;
+            let volume = volume_id(&r.volume_id)?;
+            to_the_end(async move { agent.unexport(token(r.token), &volume).await }).await?;
             Ok(api::UnexportResponse {})
         })
         .await
@@ -343,11 +360,11 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::GrantInitiatorRequest>,
     ) -> Result<Response<api::GrantInitiatorResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("GrantInitiator", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let host = host_nqn("host_nqn", &r.host_nqn)?;
-            agent.grant(token(r.token), &volume, &host).await?;
+            to_the_end(async move { agent.grant(token(r.token), &volume, &host).await }).await?;
             Ok(api::GrantInitiatorResponse {})
         })
         .await
@@ -358,11 +375,11 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::RevokeInitiatorRequest>,
     ) -> Result<Response<api::RevokeInitiatorResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("RevokeInitiator", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let host = host_nqn("host_nqn", &r.host_nqn)?;
-            agent.revoke(token(r.token), &volume, &host).await?;
+            to_the_end(async move { agent.revoke(token(r.token), &volume, &host).await }).await?;
             Ok(api::RevokeInitiatorResponse {})
         })
         .await
@@ -373,7 +390,7 @@ impl api::agent_server::Agent for AgentService {
         r: Request<api::ResyncExportsRequest>,
     ) -> Result<Response<api::ResyncExportsResponse>, Status> {
         let r = r.into_inner();
-        let agent = &self.agent;
+        let agent = Arc::clone(&self.agent);
         self.call("ResyncExports", "", async move {
             let mut requests = Vec::with_capacity(r.exports.len());
             let mut results = Vec::new();
@@ -384,7 +401,8 @@ impl api::agent_server::Agent for AgentService {
                     Err(err) => results.push(failed_result(volume, &err)),
                 }
             }
-            let (outcomes, unlisted) = agent.resync(requests).await?;
+            let (outcomes, unlisted) =
+                to_the_end(async move { agent.resync(requests).await }).await?;
             results.extend(outcomes.into_iter().map(|o| match o.result {
                 Ok(_) => api::resync_exports_response::Result {
                     volume_id: o.volume.to_string(),

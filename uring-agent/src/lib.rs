@@ -7,11 +7,13 @@
 //! - [`target`]: configfs (kernel or test double) and adopted-identity records.
 //! - [`service`]: the operations, with locking, fencing and the resync gate.
 //! - [`grpc`]: the gRPC edge and its error code table; [`server`]: assembly, mTLS, metrics.
+//! - [`hooks`]: points where tests stall or slow a request (armed only with `fault-injection`).
 
 pub mod backend;
 pub mod engine;
 pub mod fence;
 pub mod grpc;
+pub mod hooks;
 pub mod metrics;
 pub mod server;
 pub mod service;

@@ -126,7 +126,12 @@ pub async fn build_agent(
         EngineKind::Sync => Engine::Sync(SyncEngine::new()),
     });
     let marks = MarkStore::open(&config.state_dir)?;
-    let target = Target::open(&config.target, Arc::clone(&engine), &config.state_dir)?;
+    let target = Target::open(
+        &config.target,
+        Arc::clone(&engine),
+        &config.state_dir,
+        config.settings.hooks.clone(),
+    )?;
     let runner = Arc::new(SystemRunner::new(config.command_timeout));
     let mut pools = BTreeMap::new();
     for pool in &config.pools {

@@ -32,6 +32,7 @@ use tokio::sync::RwLock;
 use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
 use crate::engine::Engine;
 use crate::fence::{Decision, Intent, MarkError, MarkStore, Rejection, Token, decide};
+use crate::hooks::{HookPoint, Hooks};
 use crate::metrics::Metrics;
 use crate::target::{IdentityRecord, Target, TargetError};
 
@@ -72,6 +73,8 @@ pub enum AgentError {
     Target(#[from] TargetError),
     #[error("read-back after the change does not match")]
     Verify(#[from] pillar_nvmet::VerifyError),
+    #[error("the request's task failed (a panic, or the agent is shutting down)")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 /// Whether the agent serves exports yet.
@@ -151,6 +154,8 @@ pub struct AgentSettings {
     /// Test-only: leave namespace identity and serial to the kernel (random), to show what
     /// stable identity prevents. Never for production.
     pub kernel_random_identity: bool,
+    /// Test hooks; inert unless a `fault-injection` build arms them.
+    pub hooks: Hooks,
 }
 
 /// The agent.
@@ -251,7 +256,20 @@ impl Agent {
 
     /// Makes the mark a [`check`](Self::check) decided durable, before the change runs.
     async fn commit(&self, volume: &VolumeId, decision: Decision) -> Result<(), AgentError> {
+        self.settings
+            .hooks
+            .pass(HookPoint::BetweenCheckAndCommit)
+            .await;
         if let Some(next) = decision {
+            if self.settings.hooks.fails(HookPoint::MarkWrite) {
+                return Err(MarkError::Write {
+                    volume: volume.to_string(),
+                    source: crate::engine::EngineError::Unavailable {
+                        reason: "injected failure (test hook)".into(),
+                    },
+                }
+                .into());
+            }
             self.marks.write(&self.engine, volume, &next).await?;
         }
         Ok(())

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, MutexGuard};
 
 use crate::engine::{DurableDir, Engine, EngineError};
+use crate::hooks::{HookPoint, Hooks};
 
 /// Where configfs lives.
 #[derive(Debug, Clone)]
@@ -73,6 +74,7 @@ pub struct Target {
     lock: Mutex<()>,
     engine: Arc<Engine>,
     identities: Arc<DurableDir>,
+    hooks: Hooks,
 }
 
 impl std::fmt::Debug for Target {
@@ -94,6 +96,7 @@ impl Target {
         config: &TargetConfig,
         engine: Arc<Engine>,
         state_dir: &Path,
+        hooks: Hooks,
     ) -> Result<Self, TargetError> {
         let identities =
             DurableDir::open(state_dir.join("nvmet-identity")).map_err(TargetError::Apply)?;
@@ -122,6 +125,7 @@ impl Target {
             lock: Mutex::new(()),
             engine,
             identities,
+            hooks,
         })
     }
 
@@ -164,7 +168,9 @@ impl Target {
                 .map_err(TargetError::Apply),
             Backing::Double(double) => {
                 let mut double = double.clone();
+                let hooks = self.hooks.clone();
                 tokio::task::spawn_blocking(move || {
+                    hooks.blocking(HookPoint::ConfigfsApply);
                     pillar_nvmet::apply(&mut double as &mut dyn Executor, &ops)
                 })
                 .await

@@ -112,7 +112,9 @@ pub fn agent_code(status: &Status) -> Code {
         }
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
-        R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed => Code::Internal,
+        R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {
+            Code::Internal
+        }
         // Not from the agent: the transport (unreachable, deadline) or something in between.
         R::Unspecified => match status.code() {
             Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => Code::Unavailable,

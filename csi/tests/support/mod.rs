@@ -93,6 +93,7 @@ impl AgentUnderTest {
             settings: AgentSettings {
                 nvme_address: "127.0.0.1".parse().unwrap(),
                 kernel_random_identity: false,
+                hooks: Default::default(),
             },
             tls: None,
             insecure_plaintext: true,

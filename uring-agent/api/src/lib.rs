@@ -44,7 +44,9 @@ pub fn code_of(reason: ErrorReason) -> Code {
         R::WaitingForResync | R::NoNvmet => Code::Unavailable,
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
-        R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed => Code::Internal,
+        R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {
+            Code::Internal
+        }
     }
 }
 

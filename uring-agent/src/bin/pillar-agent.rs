@@ -144,6 +144,7 @@ async fn main() -> anyhow::Result<()> {
         settings: AgentSettings {
             nvme_address: args.nvme_address,
             kernel_random_identity: args.unsafe_kernel_random_identity,
+            hooks: Default::default(),
         },
         tls,
         insecure_plaintext: args.insecure_plaintext,

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use pillar_agent::backend::{PoolConfig, PoolKind};
+use pillar_agent::hooks::Hooks;
 use pillar_agent::server::{EngineKind, Listen, ServerConfig, serve};
 use pillar_agent::service::AgentSettings;
 use pillar_agent::target::TargetConfig;
@@ -69,6 +70,7 @@ impl Dirs {
             settings: AgentSettings {
                 nvme_address: "127.0.0.1".parse().unwrap(),
                 kernel_random_identity: false,
+                hooks: Default::default(),
             },
             tls: None,
             insecure_plaintext: true,
@@ -105,6 +107,8 @@ pub async fn connect(socket: &Path) -> Client {
 pub struct Agent {
     pub dirs: Dirs,
     pub client: Client,
+    /// The agent's test hooks (stall or delay a request at a named point).
+    pub hooks: Hooks,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -116,7 +120,9 @@ impl Agent {
 
     pub async fn start_in(dirs: Dirs, engine: EngineKind) -> Self {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let config = dirs.config(engine);
+        let hooks = Hooks::default();
+        let mut config = dirs.config(engine);
+        config.settings.hooks = hooks.clone();
         let task = tokio::spawn(async move {
             serve(config, async {
                 let _ = stopped.await;
@@ -128,6 +134,7 @@ impl Agent {
         Self {
             dirs,
             client,
+            hooks,
             stop: Some(stop),
             task: Some(task),
         }
