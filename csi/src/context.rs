@@ -19,3 +19,7 @@ pub const MKFS_OPTIONS: &str = "pillar.io/mkfsOptions";
 /// Only in the single-machine mode on the configfs test double: the local block device to use
 /// instead of an NVMe/TCP connection (no NVMe host exists there).
 pub const LOCAL_DEVICE: &str = "pillar.io/localDevice";
+/// `"true"` when the publication gives read access only (ROX, SINGLE_NODE_READER_ONLY, or
+/// published readonly): the node stages the volume read-only (N5), so two nodes never mount one
+/// filesystem read-write.
+pub const READ_ONLY: &str = "pillar.io/readOnly";

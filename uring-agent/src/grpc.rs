@@ -258,6 +258,7 @@ impl api::agent_server::Agent for AgentService {
                 state: state.into(),
                 message: message.to_owned(),
                 boot_id: agent.boot_id().to_owned(),
+                unrestored_volume_ids: agent.unrestored().iter().map(ToString::to_string).collect(),
             })
         })
         .await

@@ -166,6 +166,8 @@ pub struct Agent {
     pools: BTreeMap<String, Backend>,
     locks: LockById<VolumeId>,
     readiness: RwLock<Readiness>,
+    /// Exports the last resync could not restore, until an Export or Unexport of them succeeds.
+    unrestored: std::sync::Mutex<BTreeSet<VolumeId>>,
     boot_id: String,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
@@ -197,6 +199,7 @@ impl Agent {
             pools,
             locks: LockById::new(),
             readiness: RwLock::new(Readiness::WaitingForResync),
+            unrestored: std::sync::Mutex::new(BTreeSet::new()),
             boot_id: uuid::Uuid::new_v4().to_string(),
             settings,
             metrics,
@@ -226,6 +229,17 @@ impl Agent {
     /// Serving or waiting for resync.
     pub async fn readiness(&self) -> Readiness {
         *self.readiness.read().await
+    }
+
+    /// Volumes whose export the last resync could not restore.
+    pub fn unrestored(&self) -> Vec<VolumeId> {
+        self.unrestored_set().iter().cloned().collect()
+    }
+
+    fn unrestored_set(&self) -> std::sync::MutexGuard<'_, BTreeSet<VolumeId>> {
+        self.unrestored
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn pool(&self, name: &str) -> Result<&Backend, AgentError> {
@@ -371,7 +385,10 @@ impl Agent {
     /// Exports the volume with the complete desired ACL.
     pub async fn export(&self, request: ExportRequest) -> Result<Exported, AgentError> {
         self.ensure_serving().await?;
-        self.export_unchecked(request, Intent::Export).await
+        let volume = request.volume.clone();
+        let exported = self.export_unchecked(request, Intent::Export).await?;
+        self.unrestored_set().remove(&volume);
+        Ok(exported)
     }
 
     async fn export_unchecked(
@@ -462,6 +479,7 @@ impl Agent {
             }));
         }
         self.target.forget_identity(volume).await?;
+        self.unrestored_set().remove(volume);
         tracing::info!(%volume, "unexported");
         Ok(())
     }
@@ -575,6 +593,11 @@ impl Agent {
                 .map(|v| v.to_string())
                 .collect::<Vec<_>>()
         };
+        *self.unrestored_set() = outcomes
+            .iter()
+            .filter(|o| o.result.is_err())
+            .map(|o| o.volume.clone())
+            .collect();
         *self.readiness.write().await = Readiness::Serving;
         tracing::info!(
             exports = outcomes.len(),

@@ -1,5 +1,6 @@
 //! Reaching a volume's agent: its PillarAgent and protocol records, the export request built
-//! from a volume's record, and the resync an agent asks for after a start (C3).
+//! from a volume's record, and calls that answer an agent's request for a resync (C3) and retry
+//! with a fresh token.
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_agent_api::{ErrorReason, reason_of};
@@ -7,15 +8,26 @@ use pillar_state::crd::{PillarAgent, PillarProtocol, PillarVolumeState};
 use tonic::Status;
 
 use super::Controller;
-use super::error::{ControllerError, agent_err, describe};
+use super::error::{ControllerError, agent_err};
 use crate::agents::Client;
 
+/// A volume's agent, as one operation on the volume reaches it: the PillarAgent, a client, and
+/// the volume's name and lifecycle, so calls can take fresh tokens.
+#[derive(Debug)]
+pub(super) struct VolumeAgent {
+    pub agent: PillarAgent,
+    pub client: Client,
+    pub name: String,
+    pub uid: String,
+}
+
 impl Controller {
-    /// The volume's PillarAgent and a client for it; a missing PillarAgent fails closed (C1, W4).
-    pub(super) async fn agent_of(
+    /// The agent of `volume` (lifecycle `uid` as read); a missing PillarAgent fails closed (C1,
+    /// W4).
+    pub(super) async fn volume_agent(
         &self,
         volume: &PillarVolumeState,
-    ) -> Result<(PillarAgent, Client), ControllerError> {
+    ) -> Result<VolumeAgent, ControllerError> {
         let name = &volume.spec.agent;
         let agent =
             self.store
@@ -26,7 +38,12 @@ impl Controller {
                     agent: name.clone(),
                 })?;
         let client = self.agents.client(&agent).await?;
-        Ok((agent, client))
+        Ok(VolumeAgent {
+            agent,
+            client,
+            name: volume.spec.volume_id.clone(),
+            uid: volume.metadata.uid.clone().unwrap_or_default(),
+        })
     }
 
     /// The volume's PillarProtocol.
@@ -40,30 +57,37 @@ impl Controller {
             .ok_or_else(|| ControllerError::ProtocolMissing(volume.spec.protocol.clone()))
     }
 
-    /// Runs an agent call; when the agent says it waits for a resync, resyncs it and retries
-    /// once.
-    pub(super) async fn with_resync<T, F, Fut>(
+    /// Runs agent call `what` with `token` (a fresh one when `None`). When the agent waits for
+    /// a resync, resyncs it and retries once with a fresh token: the resync took newer tokens,
+    /// so the first one is stale by then.
+    pub(super) async fn call_agent<T, F, Fut>(
         &self,
-        agent: &PillarAgent,
-        client: &Client,
+        target: &VolumeAgent,
+        what: &'static str,
+        token: Option<agent_api::FencingToken>,
         mut call: F,
-    ) -> Result<T, Status>
+    ) -> Result<T, ControllerError>
     where
-        F: FnMut(Client) -> Fut,
-        Fut: Future<Output = Result<T, Status>>,
+        F: FnMut(Client, Option<agent_api::FencingToken>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        match call(client.clone()).await {
-            Err(s) if reason_of(&s) == ErrorReason::WaitingForResync => {
-                if let Err(e) = self.resync_agent(agent).await {
-                    return Err(Status::unavailable(format!(
-                        "agent waits for a resync, and the resync failed: {}",
-                        describe(&e)
-                    )));
-                }
-                call(client.clone()).await
-            }
-            other => other,
-        }
+        let token = match token {
+            Some(t) => Some(t),
+            None => self.next_token(&target.name, &target.uid).await?,
+        };
+        let first = call(target.client.clone(), token).await;
+        let status = match first {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if reason_of(&s) == ErrorReason::WaitingForResync => s,
+            Err(s) => return Err(agent_err(what, &target.name)(s)),
+        };
+        tracing::info!(volume = %target.name, call = what, "agent waits for a resync: {}", status.message());
+        self.resync_agent(&target.agent).await?;
+        let token = self.next_token(&target.name, &target.uid).await?;
+        call(target.client.clone(), token)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(agent_err(what, &target.name))
     }
 
     /// With an agent on the configfs test double no host can connect over NVMe/TCP; the

@@ -39,6 +39,8 @@ pub enum ControllerError {
         "volume {volume} is already published to node {node} with another capability or readonly flag"
     )]
     PublishedDifferently { volume: String, node: String },
+    #[error("volume {volume} is being deleted; it takes no publication or change")]
+    Deleting { volume: String },
     #[error("volume {volume} is still being unpublished from node {node}; retry")]
     Revoking { volume: String, node: String },
     #[error("volume {volume} is still published to {nodes:?}; unpublish it first")]
@@ -82,7 +84,10 @@ pub fn code_of(err: &ControllerError) -> Code {
         | E::StillPublished { .. }
         | E::AgentMissing { .. }
         | E::ProtocolMissing(_) => Code::FailedPrecondition,
-        E::Revoking { .. } | E::LifecycleGone { .. } | E::Contention { .. } => Code::Aborted,
+        E::Revoking { .. }
+        | E::Deleting { .. }
+        | E::LifecycleGone { .. }
+        | E::Contention { .. } => Code::Aborted,
         // CSI: an invalid starting_token of ListVolumes is ABORTED.
         E::BadStartingToken(_) => Code::Aborted,
         E::OutOfRange(_) => Code::OutOfRange,

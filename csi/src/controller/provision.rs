@@ -10,17 +10,18 @@
 //!   a size the record does not hold.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_state::crd::{PillarAgent, PillarProtocol, PillarVolumeState, PillarVolumeStateSpec};
 use pillar_state::store::StoreError;
+use tonic::Status;
 
-use super::agent::export_request;
-use super::error::{ControllerError, agent_err};
-use super::record::Write;
+use super::agent::{VolumeAgent, export_request};
+use super::error::ControllerError;
+use super::record::{Write, token};
 use super::request::{self, Create, VolumeRef};
 use super::{Controller, params};
-use crate::agents::Client;
 use crate::{context, csi};
 
 fn saturating_i64(bytes: u64) -> i64 {
@@ -95,6 +96,9 @@ impl Controller {
         let mode = req.capability.mode;
         let volume_mode = req.capability.volume_mode();
         if let Some(v) = self.store.get_volume(&name).await? {
+            if v.status_or_default().deleting {
+                return Err(ControllerError::Deleting { volume: name });
+            }
             if v.spec.access_mode != mode
                 || v.spec.volume_mode != volume_mode
                 || !req.size.fits(v.spec.size_bytes)
@@ -142,30 +146,26 @@ impl Controller {
         let name = req.volume.to_string();
         let _lock = self.locks.lock(name.clone()).await;
         let state = self.find_or_record(&req).await?;
-        let uid = state.metadata.uid.clone().unwrap_or_default();
-        let (agent, client) = self.agent_of(&state).await?;
+        let target = self.volume_agent(&state).await?;
         let protocol = self.protocol_of(&state).await?;
-        let t = self.next_token(&name, &uid).await?;
         let created = self
-            .with_resync(&agent, &client, |mut c| {
+            .call_agent(&target, "CreateVolume", None, |mut c, token| {
                 let r = agent_api::CreateVolumeRequest {
-                    token: t.clone(),
+                    token,
                     volume_id: name.clone(),
                     pool: state.spec.pool.clone(),
                     size_bytes: state.spec.size_bytes,
                 };
                 async move { c.create_volume(r).await }
             })
-            .await
-            .map_err(agent_err("CreateVolume", &name))?
-            .into_inner();
+            .await?;
         if req.size.limit != 0 && created.size_bytes > req.size.limit {
             return Err(ControllerError::OutOfRange(format!(
                 "the pool rounds the volume to {} bytes, above limit_bytes {}",
                 created.size_bytes, req.size.limit
             )));
         }
-        let exported = self.export(&agent, &client, &name, &uid, &protocol).await?;
+        let exported = self.export(&target, &protocol).await?;
         tracing::info!(volume = %name, agent = %state.spec.agent, size = created.size_bytes, "volume created and exported");
         Ok(csi::CreateVolumeResponse {
             volume: Some(csi::Volume {
@@ -183,32 +183,29 @@ impl Controller {
     /// Exports the volume as its record says, with a fresh token.
     async fn export(
         &self,
-        agent: &PillarAgent,
-        client: &Client,
-        name: &str,
-        uid: &str,
+        target: &VolumeAgent,
         protocol: &PillarProtocol,
     ) -> Result<agent_api::ExportResponse, ControllerError> {
-        let t = self.next_token(name, uid).await?;
-        let current = self
-            .store
-            .get_volume(name)
-            .await?
-            .filter(|v| v.metadata.uid.as_deref() == Some(uid))
-            .ok_or_else(|| ControllerError::LifecycleGone {
-                volume: name.to_owned(),
-            })?;
-        let request = export_request(&current, protocol, t);
         let exported = self
-            .with_resync(agent, client, |mut c| {
-                let r = request.clone();
-                async move { c.export(r).await }
+            .call_agent(target, "Export", None, |mut c, token| {
+                let store = Arc::clone(&self.store);
+                let (name, uid) = (target.name.clone(), target.uid.clone());
+                let protocol = protocol.clone();
+                async move {
+                    // The ACL is read after the token was taken: it is the one that token
+                    // vouches for.
+                    let current = store
+                        .get_volume(&name)
+                        .await
+                        .map_err(|e| Status::unavailable(e.to_string()))?
+                        .filter(|v| v.metadata.uid.as_deref() == Some(uid.as_str()))
+                        .ok_or_else(|| Status::aborted(format!("volume {name} is gone")))?;
+                    c.export(export_request(&current, &protocol, token)).await
+                }
             })
-            .await
-            .map_err(agent_err("Export", name))?
-            .into_inner();
+            .await?;
         if exported.identity_adopted {
-            tracing::warn!(volume = %name, "the storage node kept a live non-derived identity for this volume; nodes will refuse to stage it until it is re-exported");
+            tracing::warn!(volume = %target.name, "the storage node kept a live non-derived identity for this volume; nodes will refuse to stage it until it is re-exported");
         }
         Ok(exported)
     }
@@ -229,32 +226,44 @@ impl Controller {
         let Some(state) = self.store.get_volume(&name).await? else {
             return Ok(csi::DeleteVolumeResponse {});
         };
-        refuse_while_published(&state)?;
-        let uid = state.metadata.uid.clone().unwrap_or_default();
-        let (agent, client) = self.agent_of(&state).await?;
-        let t = self.next_token(&name, &uid).await?;
-        self.with_resync(&agent, &client, |mut c| {
-            let r = agent_api::UnexportRequest {
-                token: t.clone(),
-                volume_id: name.clone(),
-            };
-            async move { c.unexport(r).await }
-        })
-        .await
-        .map_err(agent_err("Unexport", &name))?;
-        let t = self.next_token(&name, &uid).await?;
-        self.with_resync(&agent, &client, |mut c| {
+        // W5, W8: "no publication" is decided in the compare-and-swap that marks the volume
+        // deleting; from then on no publication can be recorded, whichever replica tries.
+        let target = self.volume_agent(&state).await?;
+        let (_, generation) = self
+            .update_status(&name, &target.uid, |current, status| {
+                refuse_while_published(current)?;
+                status.deleting = true;
+                status.publication_generation += 1;
+                Ok(status.publication_generation)
+            })
+            .await?;
+        self.call_agent(
+            &target,
+            "Unexport",
+            token(&target.uid, generation),
+            |mut c, token| {
+                let r = agent_api::UnexportRequest {
+                    token,
+                    volume_id: name.clone(),
+                };
+                async move { c.unexport(r).await }
+            },
+        )
+        .await?;
+        self.call_agent(&target, "DeleteVolume", None, |mut c, token| {
             let r = agent_api::DeleteVolumeRequest {
-                token: t.clone(),
+                token,
                 volume_id: name.clone(),
                 pool: state.spec.pool.clone(),
             };
             async move { c.delete_volume(r).await }
         })
-        .await
-        .map_err(agent_err("DeleteVolume", &name))?;
+        .await?;
         match self
-            .compare_and_swap(&name, &uid, |_| Ok((Write::Delete, ())))
+            .compare_and_swap(&name, &target.uid, |current| {
+                refuse_while_published(current)?;
+                Ok((Write::Delete, ()))
+            })
             .await
         {
             Ok(_) | Err(ControllerError::LifecycleGone { .. }) => {
@@ -279,25 +288,24 @@ impl Controller {
             .get_volume(&name)
             .await?
             .ok_or_else(|| ControllerError::VolumeNotFound(name.clone()))?;
-        let uid = state.metadata.uid.clone().unwrap_or_default();
-        let (agent, client) = self.agent_of(&state).await?;
-        let t = self.next_token(&name, &uid).await?;
+        if state.status_or_default().deleting {
+            return Err(ControllerError::Deleting { volume: name });
+        }
+        let target = self.volume_agent(&state).await?;
         let grown = self
-            .with_resync(&agent, &client, |mut c| {
+            .call_agent(&target, "ExpandVolume", None, |mut c, token| {
                 let r = agent_api::ExpandVolumeRequest {
-                    token: t.clone(),
+                    token,
                     volume_id: name.clone(),
                     pool: state.spec.pool.clone(),
                     size_bytes: req.required,
                 };
                 async move { c.expand_volume(r).await }
             })
-            .await
-            .map_err(agent_err("ExpandVolume", &name))?
-            .into_inner();
+            .await?;
         // The size is recorded or the call fails (ABORTED after persistent conflicts): the
         // caller never hears of a size the record does not hold.
-        self.compare_and_swap(&name, &uid, |current| {
+        self.compare_and_swap(&name, &target.uid, |current| {
             let mut spec = current.spec.clone();
             spec.size_bytes = grown.size_bytes;
             Ok((Write::Spec(spec), ()))

@@ -17,10 +17,10 @@ use pillar_state::crd::{
 };
 
 use super::Controller;
-use super::error::{ControllerError, agent_err};
-use super::record::token;
+use super::agent::VolumeAgent;
+use super::error::ControllerError;
+use super::record::{Write, token};
 use super::request::{self, VolumeRef};
-use crate::agents::Client;
 use crate::{context, csi};
 
 /// What the publish table decides for a wanted publication.
@@ -30,6 +30,8 @@ pub enum Decision {
     Record,
     /// Recorded exactly so already (a retry): grant again, which is idempotent.
     AlreadyRecorded,
+    /// The volume is being deleted: ABORTED.
+    Deleting,
     /// This node's publication is being revoked: ABORTED, retry once it is gone.
     Revoking { node: String },
     /// This node holds the volume with another mode, readonly flag or host: ALREADY_EXISTS.
@@ -45,9 +47,21 @@ fn shareable(p: &PublishedNode) -> bool {
         && (p.readonly || p.access_mode == AccessMode::MultiNodeReaderOnly)
 }
 
+/// Whether a publication gives read access only: every node of it stages read-only (N5).
+pub fn read_only(p: &PublishedNode) -> bool {
+    p.readonly
+        || matches!(
+            p.access_mode,
+            AccessMode::MultiNodeReaderOnly | AccessMode::SingleNodeReaderOnly
+        )
+}
+
 /// The publish table (W2): `wanted` against every publication recorded in `status`, in record
-/// order; the first record that refuses it decides.
+/// order; the first record that refuses it decides. A volume being deleted takes none (W5).
 pub fn decide_publication(status: &PillarVolumeStateStatus, wanted: &PublishedNode) -> Decision {
+    if status.deleting {
+        return Decision::Deleting;
+    }
     let mut recorded = false;
     for p in &status.published_nodes {
         if p.node == wanted.node {
@@ -79,16 +93,25 @@ pub fn decide_publication(status: &PillarVolumeStateStatus, wanted: &PublishedNo
     }
 }
 
-/// Applies a decision to the status being written, or refuses with the CSI error.
+/// Applies a decision to the status being written (bumping the generation for the grant's
+/// token), or refuses with the CSI error. Returns the grant's generation.
 fn record(
-    decision: Decision,
     volume: &str,
     wanted: &PublishedNode,
     status: &mut PillarVolumeStateStatus,
-) -> Result<(), ControllerError> {
-    match decision {
-        Decision::Record => status.published_nodes.push(wanted.clone()),
+) -> Result<u64, ControllerError> {
+    let generation = status.publication_generation + 1;
+    match decide_publication(status, wanted) {
+        Decision::Record => status.published_nodes.push(PublishedNode {
+            recorded_generation: generation,
+            ..wanted.clone()
+        }),
         Decision::AlreadyRecorded => {}
+        Decision::Deleting => {
+            return Err(ControllerError::Deleting {
+                volume: volume.to_owned(),
+            });
+        }
         Decision::Revoking { node } => {
             return Err(ControllerError::Revoking {
                 volume: volume.to_owned(),
@@ -110,7 +133,14 @@ fn record(
             });
         }
     }
-    Ok(())
+    status.publication_generation = generation;
+    Ok(generation)
+}
+
+/// The identity of one publication: an unpublish acts on the publication it read, never on a
+/// later publication of the same node (W8).
+fn same_publication(a: &PublishedNode, b: &PublishedNode) -> bool {
+    a.node == b.node && a.host_nqn == b.host_nqn && a.recorded_generation == b.recorded_generation
 }
 
 impl Controller {
@@ -138,10 +168,9 @@ impl Controller {
                 state.spec.volume_mode
             )));
         }
-        let uid = state.metadata.uid.clone().unwrap_or_default();
         // The agent must exist before anything is recorded (C1: nothing recorded that cannot be
         // undone while the node is gone).
-        let (agent, client) = self.agent_of(&state).await?;
+        let target = self.volume_agent(&state).await?;
         let protocol = self.protocol_of(&state).await?;
         let wanted = PublishedNode {
             node: node.node.clone(),
@@ -149,29 +178,34 @@ impl Controller {
             access_mode: req.capability.mode,
             readonly: req.readonly,
             revoking: false,
+            recorded_generation: 0,
         };
-        // W1, W2: decided and recorded in one compare-and-swap that also bumps the generation
-        // for the grant's token.
+        // W1, W2, W8: decided and recorded in one compare-and-swap that also bumps the
+        // generation for the grant's token.
         let (_, generation) = self
-            .update_status(&name, &uid, |_, status| {
-                record(decide_publication(status, &wanted), &name, &wanted, status)?;
-                status.publication_generation += 1;
-                Ok(status.publication_generation)
+            .update_status(&name, &target.uid, |_, status| {
+                record(&name, &wanted, status)
             })
             .await?;
-        let t = token(&uid, generation);
-        self.with_resync(&agent, &client, |mut c| {
-            let r = agent_api::GrantInitiatorRequest {
-                token: t.clone(),
-                volume_id: name.clone(),
-                host_nqn: wanted.host_nqn.clone(),
-            };
-            async move { c.grant_initiator(r).await }
-        })
-        .await
-        .map_err(agent_err("GrantInitiator", &name))?;
-        let mut publish_context = publish_context(&volume, &agent, &protocol);
-        if let Some(device) = self.local_device(&client, &state).await? {
+        self.call_agent(
+            &target,
+            "GrantInitiator",
+            token(&target.uid, generation),
+            |mut c, token| {
+                let r = agent_api::GrantInitiatorRequest {
+                    token,
+                    volume_id: name.clone(),
+                    host_nqn: wanted.host_nqn.clone(),
+                };
+                async move { c.grant_initiator(r).await }
+            },
+        )
+        .await?;
+        let mut publish_context = publish_context(&volume, &target.agent, &protocol);
+        if read_only(&wanted) {
+            publish_context.insert(context::READ_ONLY.to_owned(), "true".to_owned());
+        }
+        if let Some(device) = self.local_device(&target.client, &state).await? {
             publish_context.insert(context::LOCAL_DEVICE.to_owned(), device);
         }
         tracing::info!(volume = %name, node = %wanted.node, mode = ?wanted.access_mode, readonly = wanted.readonly, "published");
@@ -192,7 +226,6 @@ impl Controller {
         let Some(state) = self.store.get_volume(&name).await? else {
             return Ok(csi::ControllerUnpublishVolumeResponse {});
         };
-        let uid = state.metadata.uid.clone().unwrap_or_default();
         let targets: Vec<PublishedNode> = state
             .status_or_default()
             .published_nodes
@@ -203,53 +236,74 @@ impl Controller {
             return Ok(csi::ControllerUnpublishVolumeResponse {});
         }
         // W4: a missing agent keeps every record.
-        let (agent, client) = self.agent_of(&state).await?;
-        for target in targets {
-            self.revoke(&name, &uid, &agent, &client, &target).await?;
+        let agent = self.volume_agent(&state).await?;
+        for publication in targets {
+            self.revoke(&agent, &publication).await?;
         }
         Ok(csi::ControllerUnpublishVolumeResponse {})
     }
 
-    /// Revokes one publication: marked revoking with the revoke's token in one write, revoked
-    /// at the agent, and removed only once the agent confirmed (W4).
+    /// Revokes one publication, the one read (W8): marked revoking with the revoke's token in
+    /// one write, revoked at the agent, and removed only once the agent confirmed (W4). When the
+    /// record is no longer the one read (another replica unpublished it, and maybe published
+    /// the node again), there is nothing left of this publication to revoke.
     async fn revoke(
         &self,
-        name: &str,
-        uid: &str,
-        agent: &PillarAgent,
-        client: &Client,
-        target: &PublishedNode,
+        target: &VolumeAgent,
+        publication: &PublishedNode,
     ) -> Result<(), ControllerError> {
+        let (name, uid) = (&target.name, &target.uid);
         // Publishes to this node get ABORTED from now on.
         let (_, generation) = self
-            .update_status(name, uid, |_, status| {
-                for p in &mut status.published_nodes {
-                    if p.node == target.node {
-                        p.revoking = true;
-                    }
-                }
+            .compare_and_swap(name, uid, |current| {
+                let mut status = current.status_or_default();
+                let Some(p) = status
+                    .published_nodes
+                    .iter_mut()
+                    .find(|p| same_publication(p, publication))
+                else {
+                    return Ok((Write::Nothing, None));
+                };
+                p.revoking = true;
                 status.publication_generation += 1;
-                Ok(status.publication_generation)
+                let generation = status.publication_generation;
+                Ok((Write::Status(status), Some(generation)))
             })
             .await?;
-        let t = token(uid, generation);
-        self.with_resync(agent, client, |mut c| {
-            let r = agent_api::RevokeInitiatorRequest {
-                token: t.clone(),
-                volume_id: name.to_owned(),
-                host_nqn: target.host_nqn.clone(),
+        let Some(generation) = generation else {
+            tracing::info!(volume = %name, node = %publication.node, "publication already gone");
+            return Ok(());
+        };
+        self.call_agent(
+            target,
+            "RevokeInitiator",
+            token(uid, generation),
+            |mut c, token| {
+                let r = agent_api::RevokeInitiatorRequest {
+                    token,
+                    volume_id: name.clone(),
+                    host_nqn: publication.host_nqn.clone(),
+                };
+                async move { c.revoke_initiator(r).await }
+            },
+        )
+        .await?;
+        // Confirmed: only now does the record go, and only this publication's.
+        self.compare_and_swap(name, uid, |current| {
+            let mut status = current.status_or_default();
+            let before = status.published_nodes.len();
+            status
+                .published_nodes
+                .retain(|p| !same_publication(p, publication));
+            let write = if status.published_nodes.len() == before {
+                Write::Nothing
+            } else {
+                Write::Status(status)
             };
-            async move { c.revoke_initiator(r).await }
-        })
-        .await
-        .map_err(agent_err("RevokeInitiator", name))?;
-        // Confirmed: only now does the record go.
-        self.update_status(name, uid, |_, status| {
-            status.published_nodes.retain(|p| p.node != target.node);
-            Ok(())
+            Ok((write, ()))
         })
         .await?;
-        tracing::info!(volume = %name, node = %target.node, "unpublished");
+        tracing::info!(volume = %name, node = %publication.node, "unpublished");
         Ok(())
     }
 }
@@ -294,6 +348,7 @@ mod tests {
             access_mode: mode,
             readonly,
             revoking: false,
+            recorded_generation: 0,
         }
     }
 
@@ -407,6 +462,28 @@ mod tests {
             decide_publication(&status(&[p("a", Rox, false)]), &p("b", Mnsw, false)),
             elsewhere(Rox)
         );
+    }
+
+    // proves W5: a volume being deleted takes no publication.
+    #[test]
+    fn a_volume_being_deleted_is_aborted() {
+        let mut s = status(&[]);
+        s.deleting = true;
+        assert_eq!(
+            decide_publication(&s, &p("a", Rwo, false)),
+            Decision::Deleting
+        );
+    }
+
+    // proves N5: every node of a read-only publication stages read-only.
+    #[test]
+    fn read_only_publications() {
+        assert!(read_only(&p("a", Rox, false)));
+        assert!(read_only(&p("a", Snro, false)));
+        assert!(read_only(&p("a", Mnsw, true)));
+        assert!(read_only(&p("a", Rwo, true)));
+        assert!(!read_only(&p("a", Mnsw, false)));
+        assert!(!read_only(&p("a", Rwo, false)));
     }
 
     // proves W2, W4: a publication being revoked still holds the volume against other nodes

@@ -24,6 +24,8 @@ pub enum Write {
     Status(PillarVolumeStateStatus),
     Spec(PillarVolumeStateSpec),
     Delete,
+    /// Nothing to write: the record already says what the decision wants.
+    Nothing,
 }
 
 /// A fencing token of lifecycle `uid` at `generation`.
@@ -57,6 +59,7 @@ impl Controller {
             let (write, out) = decide(&current)?;
             let rev = Revision::of(&current)?;
             let written = match write {
+                Write::Nothing => return Ok((Some(current), out)),
                 Write::Status(status) => self
                     .store
                     .replace_volume_status(name, &rev, status)

@@ -52,10 +52,25 @@ fn volume_ref(id: &str) -> Result<VolumeRef, ControllerError> {
     Ok(pillar_volume_id(id).map_or_else(|| VolumeRef::Unknown(id.to_owned()), VolumeRef::Pillar))
 }
 
+/// The prefix of volume IDs made from a hash of the name.
+const HASHED_PREFIX: &str = "pillar-";
+
+/// Whether `id` has the shape of a hashed ID: `pillar-` and 32 lowercase hex digits.
+fn is_hashed_shape(id: &str) -> bool {
+    id.strip_prefix(HASHED_PREFIX).is_some_and(|hex| {
+        hex.len() == 32
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
 /// The volume ID for a CreateVolume `name`. CSI allows any Unicode name but a few control
 /// characters; Kubernetes sends `pvc-<uuid>`. A name that already is a valid ID is kept, so IDs
-/// stay readable; any other name maps to `pillar-` + the first 128 bits of its SHA-256 in hex.
-/// The map is a function of the name, so retries of one name find the same volume.
+/// stay readable, unless it has the shape of a hashed ID; any other name maps to `pillar-` +
+/// the first 128 bits of its SHA-256 in hex. The map is injective: kept names never have the
+/// hashed shape, so a kept name and a hashed one never meet (two names whose hashes share 128
+/// bits aside). It is a function of the name, so retries of one name find the same volume.
 pub fn volume_id_for_name(name: &str) -> Result<VolumeId, ControllerError> {
     if name.is_empty() {
         return Err(invalid("name is required"));
@@ -66,13 +81,15 @@ pub fn volume_id_for_name(name: &str) -> Result<VolumeId, ControllerError> {
             "name contains a control character CSI does not allow",
         ));
     }
-    if let Some(volume) = pillar_volume_id(name) {
+    if !is_hashed_shape(name)
+        && let Some(volume) = pillar_volume_id(name)
+    {
         return Ok(volume);
     }
     use sha2::Digest as _;
     let digest = sha2::Sha256::digest(name.as_bytes());
     let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    VolumeId::parse(&format!("pillar-{hex}")).map_err(|e| invalid(e.to_string()))
+    VolumeId::parse(&format!("{HASHED_PREFIX}{hex}")).map_err(|e| invalid(e.to_string()))
 }
 
 /// The size a CreateVolume asks for.
@@ -260,6 +277,28 @@ mod tests {
 
     use super::*;
 
+    // proves W1 (one name, one volume): a name that looks like a hashed ID is hashed too, so it
+    // cannot alias the volume of the name that hashes to it. The old map kept
+    // `pillar-1cbec737f863e4922cee63cc2ebbfaaf` as is, which is also the ID of `Foo`.
+    #[test]
+    fn two_names_never_share_a_volume() {
+        let foo = volume_id_for_name("Foo").unwrap();
+        assert_eq!(foo.to_string(), "pillar-1cbec737f863e4922cee63cc2ebbfaaf");
+        let lookalike = volume_id_for_name(foo.as_str()).unwrap();
+        assert_ne!(lookalike, foo);
+        assert!(is_hashed_shape(lookalike.as_str()));
+        // Near misses of the shape are ordinary names and kept.
+        for kept in [
+            "pillar-1cbec737",
+            "pillar-1CBEC737F863E4922CEE63CC2EBBFAAF",
+            "pvc-0a1b",
+        ] {
+            if let Some(id) = pillar_volume_id(kept) {
+                assert_eq!(volume_id_for_name(kept).unwrap(), id, "{kept}");
+            }
+        }
+    }
+
     #[test]
     fn sizes() {
         let r = |required, limit| SizeRange { required, limit };
@@ -284,6 +323,7 @@ mod tests {
         let hashed = volume_id_for_name("Foo Bar/Ünïcode").unwrap();
         assert!(hashed.to_string().starts_with("pillar-"));
         assert!(volume_id_for_name("").is_err());
+        assert_eq!(volume_id_for_name("pvc-1").unwrap().to_string(), "pvc-1");
         assert!(volume_id_for_name("a\u{1}b").is_err());
     }
 }

@@ -1,12 +1,18 @@
 //! Bringing a restarted agent back (C3): it refuses exports and grants until the controller has
 //! sent the complete export state of its node, each volume with a fresh token and the ACL its
-//! record holds (publications being revoked are not re-admitted).
+//! record holds (publications being revoked are not re-admitted; volumes being deleted are not
+//! exported again).
+//!
+//! Each volume's failure is its own: a bad record leaves that volume out and is reported, the
+//! rest of the node is restored. An agent that serves but could not restore some exports lists
+//! them in its health, and the controller exports each of them again on every round until it
+//! succeeds.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent_api::v1 as agent_api;
-use pillar_state::crd::PillarAgent;
+use pillar_state::crd::{PillarAgent, PillarVolumeState};
 
 use super::Controller;
 use super::agent::export_request;
@@ -26,17 +32,16 @@ impl Controller {
             .list_volumes()
             .await?
             .into_iter()
-            .filter(|v| v.spec.agent == name)
+            .filter(|v| v.spec.agent == name && !v.status_or_default().deleting)
         {
-            let uid = v.metadata.uid.clone().unwrap_or_default();
-            let protocol = self.protocol_of(&v).await?;
-            let t = match self.next_token(&v.spec.volume_id, &uid).await {
-                Ok(t) => t,
-                Err(ControllerError::LifecycleGone { .. }) => continue,
-                Err(e) => return Err(e),
-            };
-            let current = self.store.get_volume(&v.spec.volume_id).await?.unwrap_or(v);
-            exports.push(export_request(&current, &protocol, t));
+            // One bad record is that volume's failure alone: reported, and the rest goes on.
+            match self.resync_request(&v).await {
+                Ok(Some(request)) => exports.push(request),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(agent = %name, volume = %v.spec.volume_id, error = %describe(&e), "volume left out of the resync");
+                }
+            }
         }
         let mut client = self.agents.client(agent).await?;
         let count = exports.len();
@@ -54,6 +59,65 @@ impl Controller {
             tracing::warn!(agent = %name, volume = %v, "the storage node exports a volume the controller has no record of; left in place");
         }
         Ok(response)
+    }
+
+    /// The export request of one volume for a resync, with a fresh token; `None` when its
+    /// lifecycle ended meanwhile.
+    async fn resync_request(
+        &self,
+        v: &PillarVolumeState,
+    ) -> Result<Option<agent_api::ExportRequest>, ControllerError> {
+        let uid = v.metadata.uid.clone().unwrap_or_default();
+        let protocol = self.protocol_of(v).await?;
+        let t = match self.next_token(&v.spec.volume_id, &uid).await {
+            Ok(t) => t,
+            Err(ControllerError::LifecycleGone { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        // The ACL read after the token was taken is the one the token vouches for.
+        let Some(current) = self
+            .store
+            .get_volume(&v.spec.volume_id)
+            .await?
+            .filter(|c| c.metadata.uid.as_deref() == Some(uid.as_str()))
+        else {
+            return Ok(None);
+        };
+        Ok(Some(export_request(&current, &protocol, t)))
+    }
+
+    /// Exports again, one by one, the volumes a serving agent reports it could not restore.
+    async fn restore_exports(&self, agent: &PillarAgent, volumes: &[String]) {
+        let name = agent.metadata.name.clone().unwrap_or_default();
+        for volume in volumes {
+            let result = async {
+                let Some(v) = self.store.get_volume(volume).await? else {
+                    return Ok(false);
+                };
+                if v.status_or_default().deleting || v.spec.agent != name {
+                    return Ok(false);
+                }
+                let Some(request) = self.resync_request(&v).await? else {
+                    return Ok(false);
+                };
+                let mut client = self.agents.client(agent).await?;
+                client
+                    .export(request)
+                    .await
+                    .map_err(agent_err("Export", volume))?;
+                Ok::<_, ControllerError>(true)
+            }
+            .await;
+            match result {
+                Ok(true) => tracing::info!(agent = %name, %volume, "export restored"),
+                Ok(false) => {
+                    tracing::warn!(agent = %name, %volume, "the agent could not restore an export the controller has no live record of; left to an operator")
+                }
+                Err(e) => {
+                    tracing::warn!(agent = %name, %volume, error = %describe(&e), "restoring an export failed; retried on the next round")
+                }
+            }
+        }
     }
 
     /// Checks every agent once; resyncs those that wait for it.
@@ -74,14 +138,14 @@ impl Controller {
                     continue;
                 }
             };
-            match health {
-                Ok(h)
-                    if h.get_ref().state()
-                        == agent_api::health_response::State::WaitingForResync =>
-                {
+            match health.map(tonic::Response::into_inner) {
+                Ok(h) if h.state() == agent_api::health_response::State::WaitingForResync => {
                     if let Err(e) = self.resync_agent(&agent).await {
                         tracing::warn!(agent = %name, error = %describe(&e), "resync failed");
                     }
+                }
+                Ok(h) if !h.unrestored_volume_ids.is_empty() => {
+                    self.restore_exports(&agent, &h.unrestored_volume_ids).await;
                 }
                 Ok(_) => {}
                 Err(status) => {

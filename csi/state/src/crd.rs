@@ -128,6 +128,12 @@ pub struct PillarVolumeStateStatus {
     /// object's UID it is the fencing token sent to the agent.
     #[serde(default)]
     pub publication_generation: u64,
+    // W5, W8: set in the same compare-and-swap that found no publication; publishes are refused
+    // from then on, so no publication can appear while the volume is deleted.
+    /// A DeleteVolume has started: the volume takes no new publication and is never exported
+    /// again.
+    #[serde(default)]
+    pub deleting: bool,
 }
 
 /// One publication record.
@@ -146,6 +152,11 @@ pub struct PublishedNode {
     /// An unpublish has started and the revoke is not yet confirmed.
     #[serde(default)]
     pub revoking: bool,
+    // W8: with node and host NQN, the identity of this publication. An unpublish acts only on
+    // the publication it read, never on a later one of the same node.
+    /// The publication generation of the write that recorded this publication.
+    #[serde(default)]
+    pub recorded_generation: u64,
 }
 
 impl PillarVolumeState {

@@ -1,10 +1,12 @@
-//! A store that makes chosen compare-and-swap writes conflict, for tests of what callers do
-//! under contention (feature `test-double`).
+//! A store that makes chosen compare-and-swap writes conflict or wait, for tests of what
+//! callers do under contention (feature `test-double`).
 //!
 //! [`FaultyStore`] wraps any [`StateStore`]. A write armed with [`FaultyStore::conflict`] fails
 //! with [`StoreError::Conflict`] before reaching the inner store, exactly as a write would whose
-//! object another writer changed in between; nothing is written. Reads and every other write go
-//! through unchanged, and every volume write is counted.
+//! object another writer changed in between; nothing is written. A write armed with
+//! [`FaultyStore::pause_next`] waits until the test releases it, then goes to the inner store
+//! with the revision it was given: a controller replica stalled between its read and its write.
+//! Reads and every other write go through unchanged, and every volume write is counted.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -26,6 +28,48 @@ pub enum VolumeWrite {
     Delete,
 }
 
+/// A write held by [`FaultyStore::pause_next`].
+#[derive(Debug, Default)]
+pub struct Pause {
+    reached: tokio::sync::Notify,
+    is_reached: std::sync::atomic::AtomicBool,
+    release: tokio::sync::Notify,
+    is_released: std::sync::atomic::AtomicBool,
+}
+
+impl Pause {
+    /// Waits until the paused write arrived.
+    pub async fn reached(&self) {
+        while !self.is_reached.load(std::sync::atomic::Ordering::Acquire) {
+            let notified = self.reached.notified();
+            if self.is_reached.load(std::sync::atomic::Ordering::Acquire) {
+                break;
+            }
+            notified.await;
+        }
+    }
+
+    /// Lets the paused write go on.
+    pub fn release(&self) {
+        self.is_released
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.release.notify_waiters();
+    }
+
+    async fn hold(&self) {
+        self.is_reached
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.reached.notify_waiters();
+        while !self.is_released.load(std::sync::atomic::Ordering::Acquire) {
+            let notified = self.release.notified();
+            if self.is_released.load(std::sync::atomic::Ordering::Acquire) {
+                break;
+            }
+            notified.await;
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     /// Conflicts still to inject, per write kind (`usize::MAX`: always).
@@ -34,6 +78,8 @@ struct Counters {
     calls: HashMap<VolumeWrite, usize>,
     /// Conflicts injected, per write kind.
     injected: HashMap<VolumeWrite, usize>,
+    /// The next write of a kind waits on this.
+    paused: HashMap<VolumeWrite, Arc<Pause>>,
 }
 
 /// See the module documentation.
@@ -68,6 +114,13 @@ impl FaultyStore {
         self.counters().armed.insert(write, times);
     }
 
+    /// The next write of kind `write` waits until the returned pause is released.
+    pub fn pause_next(&self, write: VolumeWrite) -> Arc<Pause> {
+        let pause = Arc::new(Pause::default());
+        self.counters().paused.insert(write, Arc::clone(&pause));
+        pause
+    }
+
     /// Calls of `write` seen so far.
     pub fn calls(&self, write: VolumeWrite) -> usize {
         self.counters().calls.get(&write).copied().unwrap_or(0)
@@ -78,8 +131,17 @@ impl FaultyStore {
         self.counters().injected.get(&write).copied().unwrap_or(0)
     }
 
-    /// Counts the call, and decides whether it conflicts.
-    fn check(&self, write: VolumeWrite, name: &str, expected: &Revision) -> Result<(), StoreError> {
+    /// Counts the call, holds it if paused, and decides whether it conflicts.
+    async fn check(
+        &self,
+        write: VolumeWrite,
+        name: &str,
+        expected: &Revision,
+    ) -> Result<(), StoreError> {
+        let pause = self.counters().paused.remove(&write);
+        if let Some(pause) = pause {
+            pause.hold().await;
+        }
         let mut c = self.counters();
         *c.calls.entry(write).or_default() += 1;
         let armed = c.armed.entry(write).or_default();
@@ -120,7 +182,7 @@ impl StateStore for FaultyStore {
         expected: &Revision,
         status: PillarVolumeStateStatus,
     ) -> Result<PillarVolumeState, StoreError> {
-        self.check(VolumeWrite::Status, name, expected)?;
+        self.check(VolumeWrite::Status, name, expected).await?;
         self.inner
             .replace_volume_status(name, expected, status)
             .await
@@ -131,11 +193,11 @@ impl StateStore for FaultyStore {
         expected: &Revision,
         spec: PillarVolumeStateSpec,
     ) -> Result<PillarVolumeState, StoreError> {
-        self.check(VolumeWrite::Spec, name, expected)?;
+        self.check(VolumeWrite::Spec, name, expected).await?;
         self.inner.replace_volume_spec(name, expected, spec).await
     }
     async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.check(VolumeWrite::Delete, name, expected)?;
+        self.check(VolumeWrite::Delete, name, expected).await?;
         self.inner.delete_volume(name, expected).await
     }
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {

@@ -221,6 +221,17 @@ impl Env {
         }
     }
 
+    /// Another controller replica over the same store, through its own wrapper, so a test can
+    /// stall or fail its writes alone.
+    pub fn replica(&self) -> (Arc<Controller>, Arc<FaultyStore>) {
+        let faults = FaultyStore::new(Arc::clone(&self.store));
+        let controller = Controller::new(
+            Arc::clone(&faults) as Arc<dyn StateStore>,
+            Agents::new(None, true, Duration::from_secs(10)),
+        );
+        (controller, faults)
+    }
+
     /// A second controller (another replica, or the next leader) over the same store.
     pub fn second_controller(&self) -> Arc<Controller> {
         Controller::new(

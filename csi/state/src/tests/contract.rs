@@ -20,8 +20,10 @@ fn published(node: &str) -> PillarVolumeStateStatus {
             access_mode: AccessMode::SingleNodeWriter,
             readonly: false,
             revoking: false,
+            recorded_generation: 0,
         }],
         publication_generation: 1,
+        deleting: false,
     }
 }
 

@@ -80,8 +80,10 @@ fn status_is_camel_case_on_the_wire() {
             access_mode: AccessMode::MultiNodeReaderOnly,
             readonly: true,
             revoking: false,
+            recorded_generation: 0,
         }],
         publication_generation: 3,
+        deleting: false,
     };
     assert_eq!(
         serde_json::to_value(&status).unwrap(),

@@ -19,6 +19,7 @@ fn status(generation: u64) -> PillarVolumeStateStatus {
     PillarVolumeStateStatus {
         published_nodes: vec![],
         publication_generation: generation,
+        deleting: false,
     }
 }
 

@@ -21,6 +21,7 @@ fn gen_status(generation: u64) -> PillarVolumeStateStatus {
     PillarVolumeStateStatus {
         published_nodes: vec![],
         publication_generation: generation,
+        deleting: false,
     }
 }
 

@@ -28,6 +28,7 @@ async fn publish_if_free(store: &dyn StateStore, name: &str, node: &str) -> (boo
             access_mode: AccessMode::SingleNodeWriter,
             readonly: false,
             revoking: false,
+            recorded_generation: 0,
         });
         status.publication_generation += 1;
         match store

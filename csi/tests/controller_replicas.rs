@@ -1,0 +1,197 @@
+//! Two controller replicas over one store, one of them stalled between its read of a record
+//! and its write (W8): every decision is re-checked inside the compare-and-swap that records
+//! it, against the identity of the publication it acted on, so the stalled replica never undoes
+//! the other's newer work, and no rule depends on leader election.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use pillar_csi::csi;
+use pillar_state::faults::VolumeWrite;
+use support::{Env, Mode, StoreKind, cap, create, delete, host, nqn, publish, unpublish};
+use tonic::Code;
+
+const STORES: [StoreKind; 2] = [StoreKind::Embedded, StoreKind::Kube];
+
+fn publish_as(volume: &str, node: &str, host_n: u32) -> csi::ControllerPublishVolumeRequest {
+    csi::ControllerPublishVolumeRequest {
+        volume_id: volume.into(),
+        node_id: format!("{node}/{}", host(host_n)),
+        volume_capability: Some(cap(Mode::SingleNodeWriter)),
+        readonly: false,
+        ..Default::default()
+    }
+}
+
+fn unpublish_as(volume: &str, node: &str, host_n: u32) -> csi::ControllerUnpublishVolumeRequest {
+    csi::ControllerUnpublishVolumeRequest {
+        volume_id: volume.into(),
+        node_id: format!("{node}/{}", host(host_n)),
+        ..Default::default()
+    }
+}
+
+async fn records(env: &Env, volume: &str) -> Vec<(String, String, bool)> {
+    env.store
+        .get_volume(volume)
+        .await
+        .unwrap()
+        .unwrap()
+        .status_or_default()
+        .published_nodes
+        .into_iter()
+        .map(|p| (p.node, p.host_nqn, p.revoking))
+        .collect()
+}
+
+fn acl(env: &Env, volume: &str) -> Vec<String> {
+    env.agent.state().subsystems[&nqn(volume)]
+        .allowed_hosts
+        .iter()
+        .cloned()
+        .collect()
+}
+
+// proves W8, W1, W4 (defect 2a): a replica stalled in an unpublish of node-1 resumes after the
+// other replica unpublished node-1 and published it again with another host. The stalled
+// unpublish finds the publication it read gone and answers OK without touching the new one,
+// so the volume is still held by node-1 and a second node is refused. On the old code the
+// stale unpublish removed node-1's new record by node name, and node-2 got the RWO volume
+// while host 9 stayed admitted: two writers.
+#[tokio::test]
+async fn a_stalled_unpublish_never_removes_a_newer_publication_of_the_node() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        env.client
+            .create_volume(create("w8a", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        env.client
+            .controller_publish_volume(publish_as("w8a", "node-1", 1))
+            .await
+            .unwrap();
+        let (stale, stale_store) = env.replica();
+        let pause = stale_store.pause_next(VolumeWrite::Status);
+        let stalled =
+            tokio::spawn(async move { stale.unpublish(unpublish_as("w8a", "node-1", 1)).await });
+        pause.reached().await;
+        // Meanwhile the other replica serves Kubernetes' retry and the next attach.
+        env.client
+            .controller_unpublish_volume(unpublish_as("w8a", "node-1", 1))
+            .await
+            .unwrap();
+        env.client
+            .controller_publish_volume(publish_as("w8a", "node-1", 9))
+            .await
+            .unwrap();
+        pause.release();
+        stalled
+            .await
+            .unwrap()
+            .expect("the publication it read is gone: OK");
+        assert!(
+            stale_store.calls(VolumeWrite::Status) >= 1,
+            "the stalled write reached the store"
+        );
+        assert_eq!(
+            records(&env, "w8a").await,
+            vec![("node-1".into(), host(9), false)],
+            "{kind:?}"
+        );
+        assert_eq!(acl(&env, "w8a"), vec![host(9)]);
+        let refused = env
+            .client
+            .controller_publish_volume(publish("w8a", 2, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.code(),
+            Code::FailedPrecondition,
+            "{kind:?}: {refused:?}"
+        );
+        assert_eq!(acl(&env, "w8a"), vec![host(9)], "{kind:?}: one writer");
+    }
+}
+
+// proves W8 (defect 2b): the same with the same host NQN: the stalled unpublish must not
+// revoke the live re-publication, which Kubernetes believes attached.
+#[tokio::test]
+async fn a_stalled_unpublish_never_revokes_a_live_republication() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        env.client
+            .create_volume(create("w8b", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        env.client
+            .controller_publish_volume(publish("w8b", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
+        let (stale, stale_store) = env.replica();
+        let pause = stale_store.pause_next(VolumeWrite::Status);
+        let stalled = tokio::spawn(async move { stale.unpublish(unpublish("w8b", 1)).await });
+        pause.reached().await;
+        env.client
+            .controller_unpublish_volume(unpublish("w8b", 1))
+            .await
+            .unwrap();
+        env.client
+            .controller_publish_volume(publish("w8b", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
+        pause.release();
+        stalled.await.unwrap().unwrap();
+        assert_eq!(
+            records(&env, "w8b").await,
+            vec![("node-1".into(), host(1), false)],
+            "{kind:?}: the re-publication stands"
+        );
+        assert_eq!(acl(&env, "w8b"), vec![host(1)], "{kind:?}: still admitted");
+    }
+}
+
+// proves W5, W8 (defect 2c): a replica stalled in a DeleteVolume after it saw no publication
+// resumes after the other replica published the volume: "no publication" is decided in the
+// compare-and-swap that marks the volume deleting, so the delete is refused and the published
+// volume keeps its backend and export. On the old code the delete answered OK and the backend
+// of a published volume was gone.
+#[tokio::test]
+async fn a_stalled_delete_never_deletes_a_volume_published_meanwhile() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        env.client
+            .create_volume(create("w8c", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        let (stale, stale_store) = env.replica();
+        let pause = stale_store.pause_next(VolumeWrite::Status);
+        let stalled = tokio::spawn(async move { stale.delete_volume(delete("w8c")).await });
+        pause.reached().await;
+        env.client
+            .controller_publish_volume(publish("w8c", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
+        pause.release();
+        let err = stalled.await.unwrap().unwrap_err();
+        assert_eq!(
+            pillar_csi::controller::code_of(&err),
+            Code::FailedPrecondition,
+            "{kind:?}: {err}"
+        );
+        assert!(env.store.get_volume("w8c").await.unwrap().is_some());
+        assert!(env.agent.state().subsystems.contains_key(&nqn("w8c")));
+        assert_eq!(acl(&env, "w8c"), vec![host(1)]);
+        // A delete that wins the race keeps later publishes out.
+        env.client
+            .controller_unpublish_volume(unpublish("w8c", 1))
+            .await
+            .unwrap();
+        env.client.delete_volume(delete("w8c")).await.unwrap();
+        let gone = env
+            .client
+            .controller_publish_volume(publish("w8c", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap_err();
+        assert_eq!(gone.code(), Code::NotFound);
+    }
+}
