@@ -586,8 +586,8 @@ async fn racing_publishes_of_one_rwo_volume_have_exactly_one_winner() {
         .create_volume(create("race", Mode::SingleNodeWriter))
         .await
         .unwrap();
-    let a = env.second_controller();
-    let b = env.second_controller();
+    let (a, a_store) = env.replica();
+    let (b, b_store) = env.replica();
     let rounds = 40;
     for round in 0..rounds {
         let (ra, rb) = tokio::join!(
@@ -631,6 +631,9 @@ async fn racing_publishes_of_one_rwo_volume_have_exactly_one_winner() {
             .await
             .unwrap();
     }
+    // The compare-and-swap really was contended: some writes met the other's newer record.
+    let conflicts = a_store.conflicts(VolumeWrite::Status) + b_store.conflicts(VolumeWrite::Status);
+    assert!(conflicts > 0, "no round raced: the test proved nothing");
     env.client.delete_volume(delete("race")).await.unwrap();
 }
 
@@ -724,4 +727,88 @@ async fn an_agent_not_found_is_not_found_for_the_csi_caller() {
         "{}",
         status.message()
     );
+}
+
+// proves C3 and defect 7 of the safety review: a call that finds its agent waiting for a resync
+// resyncs it and retries with a fresh token (the resync overtook the first one). On the old
+// code the retry reused the stale token and was ABORTED every time.
+#[tokio::test]
+async fn a_call_that_meets_a_restarted_agent_succeeds_after_the_resync() {
+    let mut env = Env::start(StoreKind::Embedded, true).await;
+    env.client
+        .create_volume(create("fresh", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    env.agent.stop().await;
+    env.agent.restart().await;
+    // No resync loop runs here: the publish itself meets WAITING_FOR_RESYNC.
+    env.client
+        .controller_publish_volume(publish("fresh", 1, Mode::SingleNodeWriter, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        env.agent.state().subsystems[&nqn("fresh")]
+            .allowed_hosts
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>(),
+        vec![host(1)]
+    );
+}
+
+// proves C3 and defects 5 and 6 of the safety review: one volume with a bad record (its
+// PillarProtocol is gone) is left out of the resync and reported; the rest of the node is
+// restored and the agent serves. Exports the agent could not restore are listed in its health
+// and exported again by the controller's next round.
+#[tokio::test]
+async fn one_bad_record_does_not_stall_the_node_and_failed_exports_are_retried() {
+    let mut env = Env::start(StoreKind::Embedded, true).await;
+    for v in ["good", "bad"] {
+        env.client
+            .create_volume(create(v, Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+    }
+    let bad = env.store.get_volume("bad").await.unwrap().unwrap();
+    let mut spec = bad.spec.clone();
+    spec.protocol = "deleted-protocol".into();
+    env.store
+        .replace_volume_spec("bad", &Revision::of(&bad).unwrap(), spec)
+        .await
+        .unwrap();
+    // A storage reboot, and every mark write fails during the resync.
+    env.agent.stop().await;
+    std::fs::remove_dir_all(&env.agent.configfs).unwrap();
+    env.agent.restart().await;
+    env.agent
+        .hooks
+        .fail(pillar_agent::hooks::HookPoint::MarkWrite);
+    env.controller.resync_waiting_agents().await;
+    let ch = support::channel(&env.agent.socket).await;
+    let mut agent = agent_api::agent_client::AgentClient::new(ch);
+    let health = agent
+        .health(agent_api::HealthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        health.state(),
+        agent_api::health_response::State::Serving,
+        "the agent serves after a partial resync"
+    );
+    assert_eq!(health.unrestored_volume_ids, vec!["good".to_owned()]);
+    assert!(env.agent.state().subsystems.is_empty());
+    // The fault clears; the controller's next round restores what failed.
+    env.agent
+        .hooks
+        .clear(pillar_agent::hooks::HookPoint::MarkWrite);
+    env.controller.resync_waiting_agents().await;
+    assert!(env.agent.state().subsystems.contains_key(&nqn("good")));
+    assert!(!env.agent.state().subsystems.contains_key(&nqn("bad")));
+    let health = agent
+        .health(agent_api::HealthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(health.unrestored_volume_ids.is_empty());
 }

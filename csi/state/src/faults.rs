@@ -78,6 +78,8 @@ struct Counters {
     calls: HashMap<VolumeWrite, usize>,
     /// Conflicts injected, per write kind.
     injected: HashMap<VolumeWrite, usize>,
+    /// Conflicts the inner store answered (not injected), per write kind.
+    conflicts: HashMap<VolumeWrite, usize>,
     /// The next write of a kind waits on this.
     paused: HashMap<VolumeWrite, Arc<Pause>>,
 }
@@ -124,6 +126,17 @@ impl FaultyStore {
     /// Calls of `write` seen so far.
     pub fn calls(&self, write: VolumeWrite) -> usize {
         self.counters().calls.get(&write).copied().unwrap_or(0)
+    }
+
+    /// Conflicts the inner store answered to `write` so far (real contention, not injected).
+    pub fn conflicts(&self, write: VolumeWrite) -> usize {
+        self.counters().conflicts.get(&write).copied().unwrap_or(0)
+    }
+
+    fn observe<T>(&self, write: VolumeWrite, result: &Result<T, StoreError>) {
+        if matches!(result, Err(e) if e.is_conflict()) {
+            *self.counters().conflicts.entry(write).or_default() += 1;
+        }
     }
 
     /// Conflicts injected into `write` so far.
@@ -183,9 +196,12 @@ impl StateStore for FaultyStore {
         status: PillarVolumeStateStatus,
     ) -> Result<PillarVolumeState, StoreError> {
         self.check(VolumeWrite::Status, name, expected).await?;
-        self.inner
+        let result = self
+            .inner
             .replace_volume_status(name, expected, status)
-            .await
+            .await;
+        self.observe(VolumeWrite::Status, &result);
+        result
     }
     async fn replace_volume_spec(
         &self,
@@ -194,11 +210,15 @@ impl StateStore for FaultyStore {
         spec: PillarVolumeStateSpec,
     ) -> Result<PillarVolumeState, StoreError> {
         self.check(VolumeWrite::Spec, name, expected).await?;
-        self.inner.replace_volume_spec(name, expected, spec).await
+        let result = self.inner.replace_volume_spec(name, expected, spec).await;
+        self.observe(VolumeWrite::Spec, &result);
+        result
     }
     async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.check(VolumeWrite::Delete, name, expected).await?;
-        self.inner.delete_volume(name, expected).await
+        let result = self.inner.delete_volume(name, expected).await;
+        self.observe(VolumeWrite::Delete, &result);
+        result
     }
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {
         self.inner.get_agent(name).await

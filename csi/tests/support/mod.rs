@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use pillar_agent::backend::{PoolConfig, PoolKind};
+use pillar_agent::hooks::Hooks;
 use pillar_agent::server::{EngineKind, Listen, ServerConfig, serve as serve_agent};
 use pillar_agent::service::AgentSettings;
 use pillar_agent::target::TargetConfig;
@@ -52,6 +53,8 @@ pub enum StoreKind {
 }
 
 pub struct AgentUnderTest {
+    /// The agent's test hooks; kept across restarts.
+    pub hooks: Hooks,
     pub socket: PathBuf,
     pub state: PathBuf,
     pub pool: PathBuf,
@@ -63,6 +66,7 @@ pub struct AgentUnderTest {
 impl AgentUnderTest {
     pub async fn start(dir: &Path) -> Self {
         let mut a = Self {
+            hooks: Hooks::default(),
             socket: dir.join("agent.sock"),
             state: dir.join("agent-state"),
             pool: dir.join("pool"),
@@ -93,7 +97,7 @@ impl AgentUnderTest {
             settings: AgentSettings {
                 nvme_address: "127.0.0.1".parse().unwrap(),
                 kernel_random_identity: false,
-                hooks: Default::default(),
+                hooks: self.hooks.clone(),
             },
             tls: None,
             insecure_plaintext: true,
