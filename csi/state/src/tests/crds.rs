@@ -90,14 +90,27 @@ fn status_is_camel_case_on_the_wire() {
         json!({
             "publishedNodes": [{
                 "node": "n1", "hostNqn": "nqn.x", "accessMode": "MultiNodeReaderOnly",
-                "readonly": true, "revoking": false
+                "readonly": true, "revoking": false, "recordedGeneration": 0
             }],
-            "publicationGeneration": 3
+            "publicationGeneration": 3,
+            "deleting": false
         })
     );
     // An absent list or counter reads as empty / zero, never as an error.
     let empty: PillarVolumeStateStatus = serde_json::from_value(json!({})).unwrap();
     assert_eq!(empty, PillarVolumeStateStatus::default());
+    // A record written before `deleting` and `recordedGeneration` existed still reads: not
+    // deleting, and recorded at generation 0 (an unpublish of it names generation 0 too).
+    let old: PillarVolumeStateStatus = serde_json::from_value(json!({
+        "publishedNodes": [{
+            "node": "n1", "hostNqn": "nqn.x", "accessMode": "SingleNodeWriter",
+            "readonly": false, "revoking": false
+        }],
+        "publicationGeneration": 7
+    }))
+    .unwrap();
+    assert!(!old.deleting);
+    assert_eq!(old.published_nodes[0].recorded_generation, 0);
 }
 
 #[test]

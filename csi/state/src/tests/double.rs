@@ -345,7 +345,7 @@ async fn injected_failures_surface_through_kube_store() {
         .unwrap();
     assert_eq!(
         double.object("pillarvolumestates", "vol-a").unwrap()["status"],
-        json!({ "publishedNodes": [], "publicationGeneration": 1 })
+        json!({ "publishedNodes": [], "publicationGeneration": 1, "deleting": false })
     );
 }
 
