@@ -631,3 +631,106 @@ async fn record_advances_through_the_phases() {
     assert_eq!(h.record(vol).unwrap()["phase"], "mounted");
     h.unstage(vol, &staging).await.unwrap();
 }
+
+/// A digest of every byte of `dev`: proves a stage wrote nothing to it.
+fn device_digest(dev: &std::path::Path) -> u64 {
+    use std::hash::{DefaultHasher, Hasher};
+    use std::io::Read;
+    let mut file = fs::File::open(dev).unwrap();
+    let mut hasher = DefaultHasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).unwrap();
+        if n == 0 {
+            return hasher.finish();
+        }
+        hasher.write(&buf[..n]);
+    }
+}
+
+// proves N5: a read-only publication (READ_ONLY in the publish context, on a multi-node
+// single-writer volume) stages read-only on every node: two node plugins stage the same ext4
+// whose journal asks for recovery, neither replays it (the device's bytes do not change), writes
+// fail with EROFS, and a blank device is refused rather than formatted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_read_only_publication_stages_read_only_and_never_writes_the_device() {
+    let lo = LoopDevice::new(SIZE);
+    let st = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&lo.dev)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    // A journal that needs recovery: a mount that replays it writes the device.
+    let st = std::process::Command::new("debugfs")
+        .args(["-w", "-R", "feature needs_recovery"])
+        .arg(&lo.dev)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    nix_sync();
+    let before = device_digest(&lo.dev);
+
+    // Each node sees the namespace through its own device, as two NVMe hosts do.
+    let other = lo.second_device();
+    let vol = "pvc-n5";
+    let writer = cap(
+        Mode::MultiNodeSingleWriter,
+        AccessType::Mount(MountVolume {
+            fs_type: "ext4".into(),
+            ..Default::default()
+        }),
+    );
+    let nodes = [Harness::local().await, Harness::local().await];
+    let mut stagings = Vec::new();
+    for (h, dev) in nodes.iter().zip([&lo.dev, &other.dev]) {
+        let mut ctx = local_ctx(vol, dev);
+        ctx.insert(context::READ_ONLY.into(), "true".into());
+        let (staging, guard) = h.path("staging");
+        h.stage(vol, &staging, writer.clone(), ctx.clone())
+            .await
+            .unwrap();
+        let (fs_type, options) = mount_at(&staging).unwrap();
+        assert_eq!(fs_type, "ext4");
+        assert!(options.split(',').any(|o| o == "ro"), "{options}");
+        let err = fs::write(staging.join("x"), b"x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+        // The same stage again is idempotent; a read-write one on the same path is refused.
+        h.stage(vol, &staging, writer.clone(), ctx.clone())
+            .await
+            .unwrap();
+        assert_code(
+            h.stage(vol, &staging, writer.clone(), local_ctx(vol, dev))
+                .await,
+            Code::AlreadyExists,
+        );
+        stagings.push((staging, guard));
+    }
+    for (h, (staging, _)) in nodes.iter().zip(&stagings) {
+        h.unstage(vol, staging).await.unwrap();
+        assert!(mount_at(staging).is_none());
+    }
+    nix_sync();
+    assert_eq!(device_digest(&lo.dev), before, "a read-only stage wrote");
+
+    // A blank device is not formatted by a read-only stage.
+    let blank = LoopDevice::new(SIZE);
+    let h = &nodes[0];
+    let (staging, _g) = h.path("staging-blank");
+    let mut ctx = local_ctx("pvc-n5-blank", &blank.dev);
+    ctx.insert(context::READ_ONLY.into(), "true".into());
+    assert_code(
+        h.stage("pvc-n5-blank", &staging, writer.clone(), ctx.clone())
+            .await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(blank.fs_type(), None);
+    assert!(mount_at(&staging).is_none());
+    // A malformed flag is bad input, not a guess.
+    ctx.insert(context::READ_ONLY.into(), "yes".into());
+    assert_code(
+        h.stage("pvc-n5-blank", &staging, writer, ctx).await,
+        Code::InvalidArgument,
+    );
+}

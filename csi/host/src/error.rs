@@ -44,6 +44,8 @@ pub enum HostError {
         value: String,
         reason: &'static str,
     },
+    #[error("mkfs option {value:?} is refused: {reason}")]
+    MkfsOption { value: String, reason: String },
     #[error("path {path:?} contains a NUL byte")]
     PathHasNul { path: PathBuf },
 
@@ -216,7 +218,9 @@ impl HostError {
     pub fn class(&self) -> ErrorClass {
         use ErrorClass as C;
         match self {
-            Self::InvalidArgument { .. } | Self::PathHasNul { .. } => C::InvalidInput,
+            Self::InvalidArgument { .. } | Self::MkfsOption { .. } | Self::PathHasNul { .. } => {
+                C::InvalidInput
+            }
             Self::AlreadyConnected { .. } => C::AlreadyExists,
             Self::OpenFabrics { source, .. } => {
                 if source.kind() == io::ErrorKind::NotFound {

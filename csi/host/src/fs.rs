@@ -281,25 +281,101 @@ pub fn probe_blank(dev: &Path) -> Result<bool, HostError> {
     Ok(probe(dev)? == Probe::Blank)
 }
 
-/// Checks mkfs extra options: each one a single argv element starting with `-` (write `-Lname`,
-/// `-Enodiscard`), no force flag.
-fn check_mkfs_options(options: &[String]) -> Result<(), HostError> {
-    for opt in options {
-        let bad = |reason| HostError::InvalidArgument {
-            what: "mkfs option",
-            value: opt.clone(),
-            reason,
-        };
-        if !opt.starts_with('-') || opt == "-" || opt == "--" {
-            return Err(bad(
-                "each mkfs option must be one argument starting with '-' (e.g. -Lname)",
-            ));
+/// How mkfs of one filesystem reads its short options: which letters take an argument, and
+/// which are refused.
+struct MkfsGrammar {
+    /// Letters followed by an argument (in the same element, or the next one).
+    with_argument: &'static str,
+    /// Letters that take no argument.
+    plain: &'static str,
+    /// Refused letters, and why.
+    refused: &'static [(char, &'static str)],
+}
+
+impl FsType {
+    fn mkfs_grammar(self) -> MkfsGrammar {
+        match self {
+            // mke2fs(8).
+            Self::Ext4 => MkfsGrammar {
+                with_argument: "bCdeEgGiIJlLmMNoOrtTUz",
+                plain: "cDjKnqvV",
+                refused: &[
+                    ('F', "forcing mkfs would defeat the blank-device check"),
+                    ('S', "writes superblocks over an existing filesystem"),
+                    ('d', "copies files from the node's own filesystem"),
+                    ('z', "writes an undo file on the node's own filesystem"),
+                    ('l', "reads a file from the node's own filesystem"),
+                ],
+            },
+            // mkfs.xfs(8).
+            Self::Xfs => MkfsGrammar {
+                with_argument: "bdilLmnrs",
+                plain: "KNqV",
+                refused: &[
+                    ('f', "forcing mkfs would defeat the blank-device check"),
+                    (
+                        'p',
+                        "copies files named in a file of the node's own filesystem",
+                    ),
+                    (
+                        'c',
+                        "reads a configuration file from the node's own filesystem",
+                    ),
+                ],
+            },
         }
+    }
+
+    /// The mount option that keeps a read-only mount from replaying the filesystem's log: a
+    /// replay writes to the device, which a node sharing a volume read-only must never do (N5).
+    pub fn no_log_replay_option(self) -> &'static str {
+        match self {
+            Self::Ext4 => "noload",
+            Self::Xfs => "norecovery",
+        }
+    }
+}
+
+/// Checks mkfs extra options the way mkfs itself reads them (getopt short options: `-qL name`,
+/// `-Lname`, `-E nodiscard`): every letter known, none refused (force, superblock rewrite, host
+/// files), every argument where mkfs expects one, and no positional argument (a device or a
+/// size). Long options are refused.
+fn check_mkfs_options(fs: FsType, options: &[String]) -> Result<(), HostError> {
+    let grammar = fs.mkfs_grammar();
+    let mut args = options.iter();
+    while let Some(opt) = args.next() {
+        let bad = |reason: &str| HostError::MkfsOption {
+            value: opt.clone(),
+            reason: reason.to_owned(),
+        };
         if opt.contains('\0') {
             return Err(bad("contains a NUL byte"));
         }
-        if matches!(opt.as_str(), "-f" | "-F" | "-FF" | "--force") {
-            return Err(bad("forcing mkfs would defeat the blank-device check"));
+        let Some(letters) = opt.strip_prefix('-').filter(|l| !l.is_empty()) else {
+            return Err(bad(
+                "each mkfs option must start with '-' (e.g. -Lname); positional arguments are refused",
+            ));
+        };
+        if letters.starts_with('-') {
+            return Err(bad("long options are refused"));
+        }
+        for (i, letter) in letters.char_indices() {
+            if let Some((_, why)) = grammar.refused.iter().find(|(l, _)| *l == letter) {
+                return Err(bad(&format!("-{letter} {why}")));
+            }
+            if grammar.with_argument.contains(letter) {
+                // The rest of this element is the argument, or else the next element is.
+                if i + letter.len_utf8() == letters.len() && args.next().is_none() {
+                    return Err(bad(&format!("-{letter} needs an argument")));
+                }
+                break;
+            }
+            if !grammar.plain.contains(letter) {
+                return Err(bad(&format!(
+                    "-{letter} is not an option of mkfs.{}",
+                    fs.as_str()
+                )));
+            }
         }
     }
     Ok(())
@@ -309,7 +385,7 @@ fn check_mkfs_options(options: &[String]) -> Result<(), HostError> {
 /// device with any signature is refused with [`HostError::ExistingSignature`]. Afterwards the
 /// device is probed again and must show the new filesystem.
 pub fn mkfs(dev: &Path, fs: FsType, extra_options: &[String]) -> Result<(), HostError> {
-    check_mkfs_options(extra_options)?;
+    check_mkfs_options(fs, extra_options)?;
     if let Probe::Found(found) = probe(dev)? {
         return Err(HostError::ExistingSignature {
             device: dev.to_path_buf(),
@@ -345,7 +421,7 @@ pub fn format_if_blank(
     fs: FsType,
     extra_options: &[String],
 ) -> Result<Formatted, HostError> {
-    check_mkfs_options(extra_options)?;
+    check_mkfs_options(fs, extra_options)?;
     match probe(dev)? {
         Probe::Blank => {
             mkfs(dev, fs, extra_options)?;
@@ -638,18 +714,60 @@ mod tests {
         assert!(parse_blkid_export("TYPE=ext4\n").is_none());
     }
 
-    // proves N3: options that could force mkfs or smuggle in a device argument are refused.
+    // proves N3: options that could force mkfs, rewrite an existing filesystem, read the
+    // node's files or smuggle in a device argument are refused, however they are spelled. The
+    // old check compared whole elements with a list, so `-qF` got through.
     #[test]
-    fn mkfs_options_cannot_force_or_name_a_device() {
-        check_mkfs_options(&["-m0".into(), "-Lvol".into(), "-Enodiscard".into()]).unwrap();
-        for bad in ["-f", "-F", "--force", "/dev/sda", "label", "", "-", "--"] {
+    fn mkfs_options_are_parsed_as_mkfs_parses_them() {
+        let ok = |fs, opts: &[&str]| {
+            let opts: Vec<String> = opts.iter().map(|s| (*s).to_owned()).collect();
+            check_mkfs_options(fs, &opts).unwrap_or_else(|e| panic!("{opts:?}: {e}"));
+        };
+        ok(FsType::Ext4, &["-m0", "-Lvol", "-Enodiscard"]);
+        ok(FsType::Ext4, &["-q", "-L", "vol", "-E", "nodiscard"]);
+        // An argument may look like an option: `-L -F` labels the filesystem "-F".
+        ok(FsType::Ext4, &["-L", "-F"]);
+        ok(FsType::Ext4, &["-jqm", "1"]);
+        ok(FsType::Xfs, &["-Lvol", "-d", "agcount=4", "-K"]);
+        let refused = |fs, opts: &[&str]| {
+            let opts: Vec<String> = opts.iter().map(|s| (*s).to_owned()).collect();
             assert!(
                 matches!(
-                    check_mkfs_options(&[bad.to_owned()]),
-                    Err(HostError::InvalidArgument { .. })
+                    check_mkfs_options(fs, &opts),
+                    Err(HostError::MkfsOption { .. })
                 ),
-                "{bad:?}"
+                "{fs:?} {opts:?}"
             );
+        };
+        for bad in [
+            &["-F"][..],
+            &["-qF"],
+            &["-Fq"],
+            &["-jF"],
+            &["-S"],
+            &["-qS"],
+            &["-d", "/etc"],
+            &["-z/tmp/undo"],
+            &["--force"],
+            &["/dev/sda"],
+            &["label"],
+            &["-L"],
+            &["-q", "1024"],
+            &[""],
+            &["-"],
+            &["--"],
+            &["-Y"],
+        ] {
+            refused(FsType::Ext4, bad);
+        }
+        for bad in [
+            &["-f"][..],
+            &["-qf"],
+            &["-fq"],
+            &["-p", "proto"],
+            &["-c", "options=x"],
+        ] {
+            refused(FsType::Xfs, bad);
         }
     }
 

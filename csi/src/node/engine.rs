@@ -12,8 +12,8 @@ use std::time::Instant;
 use pillar_host::mountinfo::{self, MountEntry};
 use pillar_host::sysfs::POLL_INTERVAL;
 use pillar_host::{
-    Formatted, FsType, StageMode, StagePhase, StageRecord, StageStore, bind_mount,
-    block_device_size, find_mount, format_if_blank, grow_filesystem, is_mountpoint, unmount,
+    Formatted, FsType, Probe, StageMode, StagePhase, StageRecord, StageStore, bind_mount,
+    block_device_size, find_mount, format_if_blank, grow_filesystem, is_mountpoint, probe, unmount,
     volume_stats,
 };
 use pillar_nvmet::VolumeId;
@@ -130,6 +130,13 @@ impl Engine {
         ctx: &StageContext,
     ) -> Result<(), NodeError> {
         let mode = cap.stage_mode(ctx.fs_type.unwrap_or(DEFAULT_FS));
+        // N5: a read-only publication stages read-only on every node.
+        let read_only = cap.reader_only() || ctx.read_only;
+        if read_only && mode == StageMode::Block {
+            return Err(NodeError::ReadonlyBlock {
+                volume: volume.to_string(),
+            });
+        }
         if let Some(rec) = self.read_record(volume)? {
             if rec.staging_path == staging {
                 if rec.phase == StagePhase::Mounted {
@@ -141,8 +148,16 @@ impl Engine {
                         });
                     }
                     if let StageMode::Filesystem { fs_type } = mode
-                        && check_mount(staging)?.is_some_and(|m| m.fs_type == fs_type.as_str())
+                        && let Some(m) = check_mount(staging)?
+                        && m.fs_type == fs_type.as_str()
                     {
+                        if m.is_readonly() != read_only {
+                            return Err(NodeError::StagedIncompatibly {
+                                volume: volume.to_string(),
+                                staged: access(m.is_readonly()).into(),
+                                requested: access(read_only).into(),
+                            });
+                        }
                         tracing::info!("already staged");
                         return Ok(());
                     }
@@ -204,20 +219,46 @@ impl Engine {
         self.write_record(&record)?;
 
         if let StageMode::Filesystem { fs_type } = mode {
-            let flags: &[String] = match &cap.access {
-                Access::Mount { flags, .. } => flags,
-                Access::Block => &[],
+            let mut flags: Vec<String> = match &cap.access {
+                Access::Mount { flags, .. } => flags.clone(),
+                Access::Block => Vec::new(),
             };
-            self.format(&device, fs_type, ctx)?;
+            if read_only {
+                // N5: never written, not even by a log replay; and never formatted.
+                self.require_filesystem(&device, fs_type)?;
+                flags.push(fs_type.no_log_replay_option().to_owned());
+            } else {
+                self.format(&device, fs_type, ctx)?;
+            }
             record.phase = StagePhase::Formatted;
             self.write_record(&record)?;
-            self.mount_staging(&device, staging, fs_type, cap.reader_only(), flags)?;
+            self.mount_staging(&device, staging, fs_type, read_only, &flags)?;
         }
         // For a block volume nothing is mounted at the staging path: `Mounted` means "staged".
         record.phase = StagePhase::Mounted;
         self.write_record(&record)?;
         tracing::info!(device = %device.path.display(), "staged");
         Ok(())
+    }
+
+    /// A read-only stage never formats: the device must already hold `fs_type`.
+    fn require_filesystem(&self, device: &Device, fs_type: FsType) -> Result<(), NodeError> {
+        let found = probe(&device.path).map_err(|source| NodeError::Format {
+            device: device.path.clone(),
+            fs: fs_type.to_string(),
+            source: Box::new(source),
+        })?;
+        match found {
+            Probe::Found(sig) if sig.as_fs() == Some(fs_type) => Ok(()),
+            other => Err(NodeError::ReadOnlyWithoutFilesystem {
+                device: device.path.clone(),
+                fs: fs_type.to_string(),
+                found: match other {
+                    Probe::Found(sig) => sig.to_string(),
+                    Probe::Blank => "a blank device".into(),
+                },
+            }),
+        }
     }
 
     /// Rule N3: formats the device only if it is blank.
@@ -428,7 +469,6 @@ impl Engine {
         target: &Path,
         readonly: bool,
     ) -> Result<(), NodeError> {
-        let access = |ro: bool| if ro { "read-only" } else { "read-write" };
         if (existing.major, existing.minor) != (staged.major, staged.minor) {
             return Err(NodeError::PublishedIncompatibly {
                 path: target.to_path_buf(),
@@ -587,4 +627,9 @@ impl Engine {
             thread::sleep(POLL_INTERVAL.min(timeout - waited));
         }
     }
+}
+
+/// How a mount's access is named in errors.
+fn access(read_only: bool) -> &'static str {
+    if read_only { "read-only" } else { "read-write" }
 }

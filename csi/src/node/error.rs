@@ -60,6 +60,14 @@ pub enum NodeError {
          device node does not stop writes to the device"
     )]
     ReadonlyBlock { volume: String },
+    #[error(
+        "volume is published read-only and {device} holds {found}, not {fs}: a read-only stage never formats"
+    )]
+    ReadOnlyWithoutFilesystem {
+        device: PathBuf,
+        fs: String,
+        found: String,
+    },
 
     // ---- concurrency ----
     #[error("an operation on volume {0} is already in progress; retry later")]
@@ -288,6 +296,8 @@ pub fn code_of(err: &NodeError) -> Code {
         | E::InvalidContext { .. }
         | E::NqnMismatch { .. }
         | E::ReadonlyBlock { .. } => Code::InvalidArgument,
+        // A read-only publication of a volume nobody formatted yet: the writer stages first.
+        E::ReadOnlyWithoutFilesystem { .. } => Code::FailedPrecondition,
 
         E::Busy(_) => Code::Aborted,
 

@@ -94,6 +94,8 @@ pub(crate) struct StageContext {
     pub fs_type: Option<FsType>,
     /// `MKFS_OPTIONS`.
     pub mkfs_options: Vec<String>,
+    /// `READ_ONLY`: the publication gives read access only, so the stage is read-only (N5).
+    pub read_only: bool,
 }
 
 fn required<'a>(ctx: &'a HashMap<String, String>, key: &'static str) -> Result<&'a str, NodeError> {
@@ -212,11 +214,23 @@ pub(crate) fn stage_context(
             })?
         }
     };
+    let read_only = match optional(ctx, context::READ_ONLY) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(NodeError::InvalidContext {
+                key: context::READ_ONLY,
+                value: other.to_owned(),
+                reason: "must be \"true\" or \"false\"".into(),
+            });
+        }
+    };
     Ok(StageContext {
         nqn,
         target,
         fs_type,
         mkfs_options,
+        read_only,
     })
 }
 

@@ -66,7 +66,8 @@ pub fn has_cap_sys_resource() -> bool {
 pub struct LoopDevice {
     pub dev: PathBuf,
     pub backing: PathBuf,
-    _dir: TempDir,
+    /// The backing file's directory; `None` for a second device over another's file.
+    _dir: Option<TempDir>,
 }
 
 impl LoopDevice {
@@ -75,22 +76,12 @@ impl LoopDevice {
         let dir = tempfile::tempdir().unwrap();
         let backing = dir.path().join("backing.img");
         fs::File::create(&backing).unwrap().set_len(size).unwrap();
-        let out = Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(&backing)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "losetup: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let dev = attach(&backing);
         // The guard exists before any check can panic, so the device is always detached.
         let lo = Self {
             dev,
             backing,
-            _dir: dir,
+            _dir: Some(dir),
         };
         assert!(
             lo.dev.to_string_lossy().starts_with("/dev/loop"),
@@ -98,6 +89,16 @@ impl LoopDevice {
             lo.dev
         );
         lo
+    }
+
+    /// A second loop device over the same backing file: how a second host sees the same
+    /// namespace. Drop it before `self`.
+    pub fn second_device(&self) -> Self {
+        Self {
+            dev: attach(&self.backing),
+            backing: self.backing.clone(),
+            _dir: None,
+        }
     }
 
     /// Enlarges the backing file and tells the loop driver (`losetup -c`).
@@ -126,6 +127,21 @@ impl LoopDevice {
     pub fn fs_type(&self) -> Option<String> {
         blkid_type(&self.dev)
     }
+}
+
+/// Attaches a free loop device to `backing`.
+fn attach(backing: &Path) -> PathBuf {
+    let out = Command::new("losetup")
+        .args(["--find", "--show"])
+        .arg(backing)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "losetup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 impl Drop for LoopDevice {
