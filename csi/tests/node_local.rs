@@ -632,6 +632,37 @@ async fn record_advances_through_the_phases() {
     h.unstage(vol, &staging).await.unwrap();
 }
 
+// proves N2: an unstage that names another staging path than the recorded one (a CO whose
+// staging path changed) undoes what the record holds instead of answering OK with the volume
+// still mounted; while a publication uses the staged filesystem it is refused like any unstage.
+#[tokio::test(flavor = "multi_thread")]
+async fn unstage_of_another_path_cleans_up_the_recorded_stage() {
+    let lo = LoopDevice::new(SIZE);
+    let h = Harness::local().await;
+    let vol = "pvc-moved-staging";
+    let (staging, _gs) = h.path("staging");
+    let (other, _go) = h.path("staging-new");
+    let (target, _gt) = h.path("pods/a/volume");
+    h.stage(vol, &staging, mount_cap("ext4"), local_ctx(vol, &lo.dev))
+        .await
+        .unwrap();
+    h.publish(vol, &staging, &target, mount_cap("ext4"), false)
+        .await
+        .unwrap();
+    assert_code(h.unstage(vol, &other).await, Code::FailedPrecondition);
+    assert!(mount_at(&staging).is_some());
+    assert!(h.record(vol).is_some());
+
+    h.unpublish(vol, &target).await.unwrap();
+    h.unstage(vol, &other).await.unwrap();
+    assert!(
+        mount_at(&staging).is_none(),
+        "the recorded stage is still mounted"
+    );
+    assert!(h.record(vol).is_none());
+    h.unstage(vol, &other).await.unwrap();
+}
+
 /// A digest of every byte of `dev`: proves a stage wrote nothing to it.
 fn device_digest(dev: &std::path::Path) -> u64 {
     use std::hash::{DefaultHasher, Hasher};

@@ -333,10 +333,14 @@ impl Engine {
             return Ok(());
         };
         if rec.staging_path != staging {
+            // A volume is staged at one path per node, so the CO asks for this volume to leave
+            // the node: a CO whose staging path changed (a kubelet upgrade) must not get OK
+            // while the device stays mounted and connected, or the revoke that follows pulls it
+            // from under the mount. Undo what the record holds.
             tracing::warn!(staged = %rec.staging_path.display(),
-                "unstage of a path this volume is not staged at; leaving the volume alone");
-            return Ok(());
+                "unstage names another path than the recorded one; unstaging the recorded path");
         }
+        let staging = rec.staging_path.as_path();
         self.refuse_if_published(volume, staging)?;
         do_unmount(staging)?;
         self.detach(&rec.nqn)?;
