@@ -44,6 +44,9 @@ pub enum IdentityError {
 pub struct Nguid([u8; 16]);
 
 impl Nguid {
+    /// The all-zero value: what a namespace shows when no NGUID was set.
+    pub const ZERO: Self = Self([0; 16]);
+
     /// An NGUID from its bytes.
     pub const fn from_bytes(bytes: [u8; 16]) -> Self {
         Self(bytes)

@@ -116,6 +116,18 @@ impl NamespaceState {
             _ => None,
         }
     }
+
+    /// The identity hosts see on this namespace: its UUID and its NGUID, a zero NGUID included.
+    /// A namespace enabled without explicit identity shows the kernel's random UUID and an
+    /// all-zero NGUID (docs/rules.md K16), and a
+    /// connected host keys on exactly that pair, so adopting it keeps the zero. `None` only when
+    /// the namespace shows no UUID at all.
+    pub fn shown_identity(&self) -> Option<NamespaceIdentity> {
+        Some(NamespaceIdentity {
+            uuid: self.uuid?,
+            nguid: self.nguid.unwrap_or(Nguid::ZERO),
+        })
+    }
 }
 
 /// An observed subsystem.

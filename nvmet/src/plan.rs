@@ -210,7 +210,9 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                         desired: want.device_path.display().to_string(),
                     });
                 }
-                if let Some(live_id) = live.identity().filter(|id| *id != want.identity) {
+                // I4: whatever identity hosts see is kept, the kernel's random UUID with a
+                // zero NGUID included.
+                if let Some(live_id) = live.shown_identity().filter(|id| *id != want.identity) {
                     adoptions.push(Adoption::Namespace {
                         nsid: *nsid,
                         live: live_id,

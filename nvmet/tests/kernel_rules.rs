@@ -84,7 +84,7 @@ fn double_refuses_identity_or_device_writes_on_enabled_namespace_with_ebusy() {
     }
 }
 
-// proves I2, I3
+// proves I2, I3, I4
 #[test]
 fn planner_sets_identity_before_enable_and_never_rewrites_a_live_one() {
     let mut f = Fixture::new();
@@ -100,7 +100,8 @@ fn planner_sets_identity_before_enable_and_never_rewrites_a_live_one() {
     verify(&f.state(), &plan.effective).unwrap();
 
     // A live namespace with the kernel's random identity (an export made before pillar set
-    // identity): re-planning keeps it, reports the adoption, and writes nothing to it.
+    // identity): re-planning keeps it, adopts the pair hosts see (random UUID, zero NGUID: K16),
+    // and writes nothing to it; the read-back expects exactly that pair.
     let mut f = Fixture::new();
     enabled_namespace(&mut f);
     let live = f.state().subsystems[&spec.nqn.to_string()].namespaces[&NamespaceId::VOLUME].clone();
@@ -116,12 +117,23 @@ fn planner_sets_identity_before_enable_and_never_rewrites_a_live_one() {
         nguid: live.nguid.unwrap(),
     };
     assert!(live_id.nguid.is_zero(), "the kernel leaves NGUID zero");
-    // A zero NGUID is no identity; the UUID alone is random, so nothing to adopt as a pair, but
-    // the enabled namespace is still untouched.
+    assert_eq!(
+        plan.adoptions,
+        vec![Adoption::Namespace {
+            nsid: NamespaceId::VOLUME,
+            live: live_id,
+            desired: spec.namespaces[&NamespaceId::VOLUME].identity
+        }]
+    );
     apply(&mut f.double, &plan.ops).unwrap();
+    verify(&f.state(), &plan.effective).unwrap();
     let after =
         f.state().subsystems[&spec.nqn.to_string()].namespaces[&NamespaceId::VOLUME].clone();
-    assert_eq!(after.uuid, live.uuid, "live UUID unchanged");
+    assert_eq!(
+        after.shown_identity(),
+        Some(live_id),
+        "live identity unchanged"
+    );
 }
 
 // proves I3, I4 (the planner half: adoption is reported, the agent records it)

@@ -418,8 +418,9 @@ impl Agent {
             .into_iter()
             .collect();
         let mut spec = volume_export(volume, info.device_path, access, ports);
-        if let Some(record) = self.target.identity_record(volume)? {
-            apply_record(&mut spec, &record);
+        let recorded = self.target.identity_record(volume)?;
+        if let Some(record) = &recorded {
+            apply_record(&mut spec, record);
         }
         let guard = self.target.lock().await;
         let state = self.target.observe(&guard).await?;
@@ -448,7 +449,7 @@ impl Agent {
         Ok(Exported {
             nqn: spec.nqn,
             address,
-            identity_adopted: adopted,
+            identity_adopted: adopted || recorded.is_some(),
         })
     }
 

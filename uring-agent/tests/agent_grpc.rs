@@ -276,10 +276,11 @@ async fn no_export_or_grant_before_the_controller_resyncs() {
     }
 }
 
-// proves I3, I4: a live export with kernel-random identity is kept and recorded, reproduced after
-// the target lost it (a storage reboot), and forgotten on unexport.
+// proves I3, I4: a live export with the identity nvmet leaves (random UUID, zero NGUID) is kept
+// and recorded, reproduced after the target lost it (a storage reboot), and forgotten on
+// unexport.
 #[tokio::test]
-async fn a_live_foreign_identity_is_adopted_recorded_reproduced_and_forgotten() {
+async fn a_live_kernel_random_identity_is_adopted_recorded_reproduced_and_forgotten() {
     for engine in ENGINES {
         let mut a = Agent::start(engine).await;
         a.serve_now().await;
@@ -295,11 +296,10 @@ async fn a_live_foreign_identity_is_adopted_recorded_reproduced_and_forgotten() 
             .volumes[0]
             .device_path
             .clone();
-        // An export made by an older release: namespace enabled without identity (the kernel's
-        // random UUID; the double, like the kernel, assigns one at mkdir) and with a foreign NGUID.
+        // An export made by an older release: namespace enabled without identity. Like the
+        // kernel, the double draws a random UUID at mkdir and leaves the NGUID all zero (K16).
         let root = a.dirs.configfs();
         let s = format!("subsystems/{}", nqn("vol-e"));
-        let foreign = "0b2c3d4e-5f60-4172-8394-a5b6c7d8e9f0";
         let mut double = pillar_nvmet::ConfigfsDouble::create(&root).unwrap();
         for op in [
             pillar_nvmet::Op::Mkdir {
@@ -313,63 +313,66 @@ async fn a_live_foreign_identity_is_adopted_recorded_reproduced_and_forgotten() 
                 value: device.clone(),
             },
             pillar_nvmet::Op::Write {
-                path: format!("{s}/namespaces/1/device_nguid").into(),
-                value: foreign.into(),
-            },
-            pillar_nvmet::Op::Write {
-                path: format!("{s}/namespaces/1/device_uuid").into(),
-                value: foreign.into(),
-            },
-            pillar_nvmet::Op::Write {
                 path: format!("{s}/namespaces/1/enable").into(),
                 value: "1".into(),
             },
         ] {
             pillar_nvmet::apply(&mut double, &[op]).unwrap();
         }
+        let shown = |root: &std::path::Path| {
+            let ns = observe(root).unwrap().subsystems[&nqn("vol-e")].namespaces
+                [&NamespaceId::VOLUME]
+                .clone();
+            (ns.uuid.unwrap(), ns.nguid.unwrap())
+        };
+        let (random_uuid, nguid) = shown(&root);
+        assert!(nguid.is_zero());
         let r = c
             .export(export_req("u1", 2, "vol-e", false, &[]))
             .await
             .unwrap()
             .into_inner();
         assert!(r.identity_adopted, "{engine:?}");
+        assert_eq!(
+            shown(&root),
+            (random_uuid, nguid),
+            "the live identity is kept"
+        );
         let record = a.dirs.state().join("nvmet-identity/vol-e.json");
-        assert!(std::fs::read_to_string(&record).unwrap().contains(foreign));
-        let live = |root: &std::path::Path| {
-            observe(root).unwrap().subsystems[&nqn("vol-e")].namespaces[&NamespaceId::VOLUME]
-                .uuid
-                .unwrap()
-                .to_string()
-        };
-        assert_eq!(live(&root), foreign);
+        let recorded = std::fs::read_to_string(&record).unwrap();
+        assert!(recorded.contains(&random_uuid.to_string()), "{recorded}");
+        // Exporting again (a resync) keeps it and says so.
+        let r = c
+            .export(export_req("u1", 3, "vol-e", false, &[]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.identity_adopted, "{engine:?}");
 
-        // Storage reboot: the whole target is gone; the record brings the same identity back.
+        // Storage reboot: the whole target is gone; the record brings the same identity back,
+        // the zero NGUID included (hosts keyed on exactly that pair).
         std::fs::remove_dir_all(&root).unwrap();
         pillar_nvmet::ConfigfsDouble::create(&root).unwrap();
-        c.export(export_req("u1", 3, "vol-e", false, &[]))
+        c.export(export_req("u1", 4, "vol-e", false, &[]))
             .await
             .unwrap();
         assert_eq!(
-            live(&root),
-            foreign,
+            shown(&root),
+            (random_uuid, nguid),
             "re-created with the recorded identity"
         );
 
         // Unexport forgets it; the next export uses the derived identity.
-        c.unexport(unexport("u1", 4, "vol-e")).await.unwrap();
+        c.unexport(unexport("u1", 5, "vol-e")).await.unwrap();
         assert!(!record.exists());
-        c.export(export_req("u1", 5, "vol-e", false, &[]))
+        c.export(export_req("u1", 6, "vol-e", false, &[]))
             .await
             .unwrap();
         let n = VolumeId::parse("vol-e").unwrap().subsystem_nqn();
-        assert_eq!(
-            live(&root),
-            NamespaceIdentity::derive(&n, NamespaceId::VOLUME)
-                .uuid
-                .to_string()
-        );
-        c.unexport(unexport("u1", 6, "vol-e")).await.unwrap();
-        c.delete_volume(delete("u1", 7, "vol-e")).await.unwrap();
+        let derived = NamespaceIdentity::derive(&n, NamespaceId::VOLUME);
+        assert_eq!(shown(&root), (derived.uuid, derived.nguid));
+        c.unexport(unexport("u1", 7, "vol-e")).await.unwrap();
+        c.delete_volume(delete("u1", 8, "vol-e")).await.unwrap();
     }
 }
 
