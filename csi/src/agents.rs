@@ -1,9 +1,13 @@
 //! Connections from the controller to storage-node agents, one cached channel per PillarAgent.
 //!
-//! An agent is reached at `spec.address`: `unix:///path` (single-machine mode, tests) or
-//! `host:port` with mutual TLS (the controller's client certificate, the agent's CA bundle and
-//! server name from the PillarAgent). Plaintext TCP is used only when the PillarAgent has no
-//! `tls` and the controller was started with `--agent-insecure-plaintext`.
+//! An agent is reached at `spec.address`: `host:port` with mutual TLS (the controller's client
+//! certificate, the agent's CA bundle and server name from the PillarAgent), or, only when the
+//! controller was started with `--agent-insecure-plaintext` and the PillarAgent has no `tls`,
+//! plaintext: `host:port` or `unix:///path` (single-machine mode, tests).
+//!
+//! Invariant: no connection goes without TLS unless the operator opted into plaintext. A
+//! PillarAgent is an API object; whoever can write one must not be able to point the controller
+//! at an unauthenticated endpoint (a unix socket inside the controller's pod included).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -47,10 +51,12 @@ pub enum ConnectError {
         source: std::io::Error,
     },
     #[error(
-        "agent {agent} has no TLS settings and the controller does not allow plaintext TCP \
-         (--agent-insecure-plaintext)"
+        "agent {agent} has no TLS settings and the controller does not allow plaintext \
+         connections (--agent-insecure-plaintext)"
     )]
     PlaintextRefused { agent: String },
+    #[error("agent {agent} has a unix socket address, which takes no TLS, and TLS settings")]
+    TlsOverUnixSocket { agent: String },
     #[error("agent {agent} requires TLS but the controller has no client certificate")]
     NoClientIdentity { agent: String },
 }
@@ -103,6 +109,16 @@ impl Agents {
             source,
         };
         if let Some(path) = address.strip_prefix("unix://") {
+            if agent.spec.tls.is_some() {
+                return Err(ConnectError::TlsOverUnixSocket {
+                    agent: name.to_owned(),
+                });
+            }
+            if !self.allow_plaintext {
+                return Err(ConnectError::PlaintextRefused {
+                    agent: name.to_owned(),
+                });
+            }
             let path = PathBuf::from(path);
             let channel = Endpoint::from_static("http://agent.invalid")
                 .timeout(self.timeout)
@@ -159,5 +175,55 @@ impl Agents {
         Ok(AgentClient::new(
             endpoint.connect().await.map_err(connect_err)?,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pillar_state::crd::{AgentTls, PillarAgentSpec};
+
+    use super::*;
+
+    fn agent(address: &str, tls: Option<AgentTls>) -> PillarAgent {
+        PillarAgent::new(
+            "storage-1",
+            PillarAgentSpec {
+                node: "storage-1".into(),
+                address: address.into(),
+                tls,
+                pools: Vec::new(),
+                nvme_address: "192.0.2.1".into(),
+            },
+        )
+    }
+
+    // A PillarAgent cannot point the controller at a unix socket without TLS unless the operator
+    // opted into plaintext, and a unix address with TLS settings is refused rather than silently
+    // used in plaintext.
+    #[tokio::test]
+    async fn plaintext_needs_the_opt_in_for_unix_sockets_too() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("agent.sock");
+        let _listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        let address = format!("unix://{}", socket.display());
+        let strict = Agents::new(None, false, Duration::from_secs(1));
+        assert!(matches!(
+            strict.client(&agent(&address, None)).await,
+            Err(ConnectError::PlaintextRefused { .. })
+        ));
+        assert!(matches!(
+            strict.client(&agent("192.0.2.1:9000", None)).await,
+            Err(ConnectError::PlaintextRefused { .. })
+        ));
+        let tls = AgentTls {
+            server_name: "storage-1".into(),
+            ca_bundle_path: "/nonexistent".into(),
+        };
+        let relaxed = Agents::new(None, true, Duration::from_secs(1));
+        assert!(matches!(
+            relaxed.client(&agent(&address, Some(tls))).await,
+            Err(ConnectError::TlsOverUnixSocket { .. })
+        ));
+        assert!(relaxed.client(&agent(&address, None)).await.is_ok());
     }
 }

@@ -4,7 +4,10 @@
 //! Invariants:
 //! - gRPC over TCP or a unix socket is mutually authenticated TLS unless `insecure_plaintext` is
 //!   set; with TLS, every call's client certificate must name the authorised controller (DNS or
-//!   URI subject alternative name, or common name), else PERMISSION_DENIED.
+//!   URI subject alternative name, or common name), else PERMISSION_DENIED. Server reflection
+//!   sits behind the same check.
+//! - Metrics are served only where `metrics_listen` says (no default); they carry no
+//!   authentication, so an address other than loopback is logged as a warning.
 //! - When io_uring cannot be used, the agent refuses to start with the io_uring engine and says
 //!   how to run the synchronous one; it never switches silently.
 
@@ -16,6 +19,7 @@ use std::time::Duration;
 
 use pillar_agent_api::v1::FILE_DESCRIPTOR_SET;
 use pillar_agent_api::v1::agent_server::AgentServer;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic::{Request, Status};
 
@@ -237,6 +241,9 @@ pub async fn serve(
     let metrics = Arc::new(Metrics::new());
     let agent = build_agent(&config, &metrics).await?;
     if let Some(addr) = config.metrics_listen {
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "metrics are served without authentication on a non-loopback address");
+        }
         serve_metrics(addr, Arc::clone(&metrics)).await?;
     }
     let reflection = tonic_reflection::server::Builder::configure()
@@ -253,9 +260,13 @@ pub async fn serve(
                 .client_ca_root(Certificate::from_pem(read(&tls.client_ca)?));
             builder = builder.tls_config(tls_config).map_err(ServerError::Tls)?;
             let expected: Arc<str> = tls.authorized_client.as_str().into();
+            // Reflection describes the API to whoever asks: only to the authorised client too.
             builder
-                .add_service(AgentServer::with_interceptor(service, authorize(expected)))
-                .add_service(reflection)
+                .add_service(AgentServer::with_interceptor(
+                    service,
+                    authorize(Arc::clone(&expected)),
+                ))
+                .add_service(InterceptedService::new(reflection, authorize(expected)))
         }
         (None, true) => {
             tracing::warn!("serving gRPC without TLS (--insecure-plaintext)");

@@ -1,5 +1,6 @@
 //! mTLS on the agent's gRPC: only the authorised controller identity may call; a client without
-//! a certificate, or with one for another identity, is refused. Also the metrics endpoint.
+//! a certificate, or with one for another identity, is refused, server reflection included.
+//! Also the metrics endpoint.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
@@ -51,6 +52,14 @@ async fn client(
     pki: &Pki,
     identity: Option<&str>,
 ) -> Result<AgentClient<Channel>, tonic::transport::Error> {
+    Ok(AgentClient::new(channel(addr, pki, identity).await?))
+}
+
+async fn channel(
+    addr: SocketAddr,
+    pki: &Pki,
+    identity: Option<&str>,
+) -> Result<Channel, tonic::transport::Error> {
     let mut tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(pki.ca.pem()))
         .domain_name("agent.pillar.test");
@@ -58,12 +67,33 @@ async fn client(
         let (cert, key) = pki.leaf(name);
         tls = tls.identity(Identity::from_pem(cert, key));
     }
-    let channel = Endpoint::from_shared(format!("https://{addr}"))
+    Endpoint::from_shared(format!("https://{addr}"))
         .unwrap()
         .tls_config(tls)?
         .connect()
-        .await?;
-    Ok(AgentClient::new(channel))
+        .await
+}
+
+/// The services the agent's reflection lists to this channel's client.
+async fn reflected_services(channel: Channel) -> Result<Vec<String>, tonic::Status> {
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await?
+        .into_inner();
+    match stream.message().await?.and_then(|r| r.message_response) {
+        Some(MessageResponse::ListServicesResponse(list)) => {
+            Ok(list.service.into_iter().map(|s| s.name).collect())
+        }
+        other => panic!("unexpected reflection answer {other:?}"),
+    }
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
@@ -114,6 +144,32 @@ async fn only_the_authorised_controller_may_call() {
         .create_volume(create_req("u1", 1, "t1", 1 << 20))
         .await
         .unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::PermissionDenied,
+        "{}",
+        status.message()
+    );
+
+    // Reflection answers the authorised controller only.
+    let listed = reflected_services(
+        channel(addr, &pki, Some("controller.pillar.test"))
+            .await
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        listed.iter().any(|s| s == "pillar.agent.v1.Agent"),
+        "{listed:?}"
+    );
+    let status = reflected_services(
+        channel(addr, &pki, Some("intruder.pillar.test"))
+            .await
+            .unwrap(),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(
         status.code(),
         Code::PermissionDenied,

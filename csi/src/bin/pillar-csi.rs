@@ -41,7 +41,8 @@ enum Mode {
         /// Its private key (PEM).
         #[arg(long)]
         agent_client_key: Option<PathBuf>,
-        /// Allow plaintext TCP to agents whose PillarAgent has no TLS settings.
+        /// Allow plaintext connections (TCP or a unix socket) to agents whose PillarAgent has no
+        /// TLS settings.
         #[arg(long)]
         agent_insecure_plaintext: bool,
         /// How often agents are checked for a restart needing a resync, in seconds.

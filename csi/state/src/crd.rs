@@ -193,7 +193,8 @@ pub struct PillarAgentSpec {
     pub node: String,
     /// Where the controller reaches the agent's gRPC API: `host:port` or `unix:///path`.
     pub address: String,
-    /// TLS for the gRPC connection; absent means plaintext (only sensible for `unix://`).
+    /// TLS for the gRPC connection; absent means plaintext, which the controller uses only when
+    /// started with `--agent-insecure-plaintext` (`unix://` addresses take no TLS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<AgentTls>,
     /// Storage pools the agent offers.

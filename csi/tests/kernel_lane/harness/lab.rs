@@ -195,6 +195,8 @@ impl Lab {
             self.dir.join("store").display().to_string(),
             "--resync-interval-secs".into(),
             resync_secs.to_string(),
+            // The lane's agent listens on a unix socket, which takes no TLS.
+            "--agent-insecure-plaintext".into(),
         ];
         self.controller = Some(Proc::spawn(
             "controller",
