@@ -21,6 +21,8 @@ pub enum HookPoint {
     MarkWrite,
 }
 
+// Only the `fault-injection` feature arms hooks; without it the variants are never built.
+#[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
 #[derive(Debug)]
 enum Action {
     Stall(Arc<Gate>),
