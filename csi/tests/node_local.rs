@@ -285,11 +285,12 @@ async fn publish_needs_the_stage_and_stage_is_exclusive() {
             .await,
         Code::AlreadyExists,
     );
-    // Unstage of a path the volume is not staged at leaves the volume alone.
-    h.unstage(vol, &other).await.unwrap();
+    // The refused stages left the first one as it was. (An unstage naming another path cleans up
+    // the recorded stage: `unstage_of_another_path_cleans_up_the_recorded_stage`.)
     assert!(mount_at(&staging).is_some());
     assert!(h.record(vol).is_some());
     h.unstage(vol, &staging).await.unwrap();
+    assert!(mount_at(&staging).is_none());
 }
 
 // NodeGetVolumeStats: bytes and inodes of a mounted filesystem (following real usage), the
