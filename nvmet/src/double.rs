@@ -257,7 +257,11 @@ impl ConfigfsDouble {
         }
         let sub = self.root.join(SUBSYSTEMS).join(nqn);
         let any = self.attr(&sub.join("attr_allow_any_host"))? == "1";
-        let allowed = sub.join("allowed_hosts").join(host).symlink_metadata().is_ok();
+        let allowed = sub
+            .join("allowed_hosts")
+            .join(host)
+            .symlink_metadata()
+            .is_ok();
         if !any && !allowed {
             return Err(errno(libc::EACCES));
         }
@@ -803,7 +807,12 @@ fn decode_op(line: &str) -> io::Result<Op> {
         Some("rmdir") => path(1).map(|path| Op::Rmdir { path }),
         _ => None,
     };
-    op.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("bad op record {line:?}")))
+    op.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("bad op record {line:?}"),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -36,7 +36,11 @@ fn volume_like() -> impl Strategy<Value = String> {
 
 /// The rules of the module documentation, checked on an accepted NQN.
 fn nqn_rules_hold(s: &str) -> Result<(), TestCaseError> {
-    prop_assert!(!s.is_empty() && s.len() <= NQN_MAX_LEN, "length {}", s.len());
+    prop_assert!(
+        !s.is_empty() && s.len() <= NQN_MAX_LEN,
+        "length {}",
+        s.len()
+    );
     prop_assert!(
         !s.chars()
             .any(|c| c.is_whitespace() || c.is_control() || c == '/' || c == ','),
@@ -44,15 +48,24 @@ fn nqn_rules_hold(s: &str) -> Result<(), TestCaseError> {
     );
     prop_assert!(s.starts_with("nqn."));
     if let Some(uuid) = s.strip_prefix(UUID_NQN_PREFIX) {
-        prop_assert!(uuid::Uuid::parse_str(uuid).is_ok() && uuid.len() == 36, "{s:?}");
+        prop_assert!(
+            uuid::Uuid::parse_str(uuid).is_ok() && uuid.len() == 36,
+            "{s:?}"
+        );
     } else {
         let rest = &s[4..];
         let date = &rest[..7];
-        prop_assert!(date.as_bytes()[4] == b'-' && rest.as_bytes()[7] == b'.', "{s:?}");
+        prop_assert!(
+            date.as_bytes()[4] == b'-' && rest.as_bytes()[7] == b'.',
+            "{s:?}"
+        );
         let month: u32 = date[5..].parse().unwrap();
         prop_assert!((1..=12).contains(&month), "{s:?}");
         let (domain, suffix) = rest[8..].split_once(':').unwrap();
-        prop_assert!(domain.split('.').count() >= 2 && !suffix.is_empty(), "{s:?}");
+        prop_assert!(
+            domain.split('.').count() >= 2 && !suffix.is_empty(),
+            "{s:?}"
+        );
     }
     Ok(())
 }

@@ -21,8 +21,8 @@ use std::path::PathBuf;
 
 use common::{Fixture, export, host, only};
 use pillar_nvmet::{
-    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec,
-    VolumeId, apply, derive_serial, plan_export, plan_unexport, verify,
+    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec, VolumeId,
+    apply, derive_serial, plan_export, plan_unexport, verify,
 };
 use proptest::prelude::*;
 
@@ -34,7 +34,9 @@ fn port_spec(id: u16) -> PortSpec {
 }
 
 fn ports(ids: &[u16]) -> BTreeMap<PortId, PortSpec> {
-    ids.iter().map(|id| (PortId::new(*id), port_spec(*id))).collect()
+    ids.iter()
+        .map(|id| (PortId::new(*id), port_spec(*id)))
+        .collect()
 }
 
 /// The identity a namespace is left with in the starting tree.
@@ -181,7 +183,10 @@ fn build(f: &mut Fixture, volume: &str, device: &std::path::Path, seed: &Seed) {
     let s = format!("subsystems/{nqn}");
     let mut ops = vec![mkdir(&s)];
     if *derived_serial {
-        ops.push(write(format!("{s}/attr_serial"), derive_serial(&nqn).as_str()));
+        ops.push(write(
+            format!("{s}/attr_serial"),
+            derive_serial(&nqn).as_str(),
+        ));
     }
     if *any_host {
         ops.push(write(format!("{s}/attr_allow_any_host"), "1"));
@@ -205,11 +210,17 @@ fn build(f: &mut Fixture, volume: &str, device: &std::path::Path, seed: &Seed) {
         } else {
             device.to_path_buf()
         };
-        ops.push(write(format!("{n}/device_path"), path.display().to_string()));
+        ops.push(write(
+            format!("{n}/device_path"),
+            path.display().to_string(),
+        ));
         match ns.identity {
             SeedIdentity::Derived => {
                 let id = NamespaceIdentity::derive(&nqn, NamespaceId::VOLUME);
-                ops.push(write(format!("{n}/device_uuid"), id.uuid.hyphenated().to_string()));
+                ops.push(write(
+                    format!("{n}/device_uuid"),
+                    id.uuid.hyphenated().to_string(),
+                ));
                 ops.push(write(format!("{n}/device_nguid"), id.nguid.to_string()));
             }
             SeedIdentity::Foreign(u, g) => {

@@ -550,7 +550,10 @@ mod tests {
         );
         let status = status(err);
         prop_assert_eq!(status.code(), Code::InvalidArgument);
-        prop_assert_eq!(pillar_agent_api::reason_of(&status), ErrorReason::InvalidRequest);
+        prop_assert_eq!(
+            pillar_agent_api::reason_of(&status),
+            ErrorReason::InvalidRequest
+        );
         Ok(())
     }
 

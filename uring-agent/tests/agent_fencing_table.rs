@@ -17,7 +17,11 @@ const VOLUME: &str = "vol-f1";
 fn bad_tokens() -> Vec<(&'static str, Option<api::FencingToken>, ErrorReason)> {
     vec![
         ("missing", None, ErrorReason::NoToken),
-        ("older generation", token("u1", 9), ErrorReason::StaleGeneration),
+        (
+            "older generation",
+            token("u1", 9),
+            ErrorReason::StaleGeneration,
+        ),
         (
             "foreign lifecycle",
             token("u-other", 100),

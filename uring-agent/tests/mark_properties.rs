@@ -39,7 +39,11 @@ fn mark_with(uid: impl Strategy<Value = String> + Clone) -> impl Strategy<Value 
 /// Any non-empty UID at all, control characters and non-ASCII included: the mark format must not
 /// depend on what the controller sends.
 fn any_uid() -> impl Strategy<Value = String> + Clone {
-    prop_oneof![k8s_uid(), "\\PC{1,12}", any::<String>().prop_filter("non-empty", |s| !s.is_empty())]
+    prop_oneof![
+        k8s_uid(),
+        "\\PC{1,12}",
+        any::<String>().prop_filter("non-empty", |s| !s.is_empty())
+    ]
 }
 
 /// Encoded marks and near-marks, so arbitrary input also reaches the checksum and field checks.

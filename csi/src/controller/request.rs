@@ -348,7 +348,10 @@ mod tests {
                     }))
                 ),
             ];
-            let mode = prop_oneof![Just(None), (-2i32..10).prop_map(|mode| Some(AccessMode { mode }))];
+            let mode = prop_oneof![
+                Just(None),
+                (-2i32..10).prop_map(|mode| Some(AccessMode { mode }))
+            ];
             prop::option::of((access, mode).prop_map(|(access_type, access_mode)| {
                 csi::VolumeCapability {
                     access_type,
@@ -358,12 +361,12 @@ mod tests {
         }
 
         fn range() -> impl Strategy<Value = Option<csi::CapacityRange>> {
-            prop::option::of((any::<i64>(), any::<i64>()).prop_map(|(required_bytes, limit_bytes)| {
-                csi::CapacityRange {
+            prop::option::of((any::<i64>(), any::<i64>()).prop_map(
+                |(required_bytes, limit_bytes)| csi::CapacityRange {
                     required_bytes,
                     limit_bytes,
-                }
-            }))
+                },
+            ))
         }
 
         fn volume_ref_ok(sent: &str, got: &VolumeRef) -> Result<(), TestCaseError> {
