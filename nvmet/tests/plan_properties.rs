@@ -11,7 +11,7 @@
 //!   kernel forbids a rewrite (I3, I4);
 //! - a second plan for the same desired state is empty (convergence).
 //!
-//! Bounded for CI: 48 cases, each a fresh tree of three volumes.
+//! Bounded for CI: 32 cases, each a fresh tree of three volumes.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -256,7 +256,7 @@ fn build(f: &mut Fixture, volume: &str, device: &std::path::Path, seed: &Seed) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 
     // proves K2-K16 (plans obey every kernel rule the double enforces), I2, I3, I4 (identity set
     // before enable, never rewritten live, a live foreign identity adopted), W6 (the ACL reads
