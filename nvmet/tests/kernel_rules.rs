@@ -683,7 +683,7 @@ fn foreign_subsystems_are_refused() {
 
 // --- fencing at the target: controllers outlive an ACL change, not a port unlink --------------
 
-// proves K (fencing at the target) in the double, and W7 at the planner: removing a host from
+// proves K17, K18 (modelled by the double) and W7 at the planner: removing a host from
 // allowed_hosts leaves its live controller working; the cut the agent runs after it (unlink the
 // subsystem from its port, link it back) deletes the controllers, the revoked host is refused on
 // reconnect, and the recorded operations are exactly the ACL change then the cut.
