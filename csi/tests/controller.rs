@@ -200,7 +200,8 @@ async fn rwx_is_rejected_at_provisioning() {
 }
 
 // proves W1 (the record precedes the grant) and W4/C2 (a failed grant or revoke keeps the
-// record, and the volume stays blocked for other single-writer publishers)
+// record, and the volume stays blocked for other single-writer publishers), and F6 at the
+// controller: a publish or unpublish whose token the agent finds stale is answered ABORTED
 #[tokio::test]
 async fn failed_grants_and_revokes_keep_the_record() {
     for kind in STORES {

@@ -7,7 +7,7 @@
 mod support;
 
 use pillar_csi::csi;
-use pillar_state::faults::VolumeWrite;
+use pillar_state::faults::{FaultyStore, VolumeWrite};
 use support::{Env, Mode, StoreKind, cap, create, delete, host, nqn, publish, unpublish};
 use tonic::Code;
 
@@ -52,6 +52,21 @@ fn acl(env: &Env, volume: &str) -> Vec<String> {
         .collect()
 }
 
+/// The race really happened: the stalled replica's compare-and-swap met the other replica's
+/// newer record and the store answered a conflict (counted by the store double, not injected).
+/// Without it, a test could pass because the stalled write never raced at all.
+fn assert_conflicted(stale_store: &FaultyStore, kind: StoreKind) {
+    assert!(
+        stale_store.conflicts(VolumeWrite::Status) >= 1,
+        "{kind:?}: the stalled write met no conflict: the race was not exercised"
+    );
+    assert_eq!(
+        stale_store.injected(VolumeWrite::Status),
+        0,
+        "{kind:?}: every conflict came from the store itself"
+    );
+}
+
 // proves W8, W1, W4 (defect 2a): a replica stalled in an unpublish of node-1 resumes after the
 // other replica unpublished node-1 and published it again with another host. The stalled
 // unpublish finds the publication it read gone and answers OK without touching the new one,
@@ -93,6 +108,7 @@ async fn a_stalled_unpublish_never_removes_a_newer_publication_of_the_node() {
             stale_store.calls(VolumeWrite::Status) >= 1,
             "the stalled write reached the store"
         );
+        assert_conflicted(&stale_store, kind);
         assert_eq!(
             records(&env, "w8a").await,
             vec![("node-1".into(), host(9), false)],
@@ -141,6 +157,7 @@ async fn a_stalled_unpublish_never_revokes_a_live_republication() {
             .unwrap();
         pause.release();
         stalled.await.unwrap().unwrap();
+        assert_conflicted(&stale_store, kind);
         assert_eq!(
             records(&env, "w8b").await,
             vec![("node-1".into(), host(1), false)],
@@ -173,6 +190,7 @@ async fn a_stalled_delete_never_deletes_a_volume_published_meanwhile() {
             .unwrap();
         pause.release();
         let err = stalled.await.unwrap().unwrap_err();
+        assert_conflicted(&stale_store, kind);
         assert_eq!(
             pillar_csi::controller::code_of(&err),
             Code::FailedPrecondition,

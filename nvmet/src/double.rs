@@ -18,6 +18,13 @@
 //! - links are stored relative (`readlink` gives `../../../...`), as configfs returns them;
 //! - new namespaces get a random UUID and a zero NGUID, new subsystems a random serial, like the
 //!   kernel, so a plan that forgets identity is caught.
+//!
+//! It also models host controllers, the part of the kernel a tree cannot show: a host connects
+//! through a port only while the subsystem is linked to it and the host is admitted; unlinking
+//! the subsystem from a port deletes its controllers there, while removing a host from
+//! `allowed_hosts` deletes none (docs/rules.md, fencing at the target). And it can record every
+//! operation it applied, in order, so a test can assert the exact configfs sequence of a plan
+//! run by code it cannot reach (the agent): [`ConfigfsDouble::record_ops`].
 
 use std::fs;
 use std::io;
@@ -32,6 +39,13 @@ use crate::plan::Op;
 /// Where the double keeps state the real kernel keeps in memory (which subsystems a host has
 /// identified). Outside the three nvmet directories, so readers never see it.
 const PRIVATE_DIR: &str = ".double";
+
+/// Under [`PRIVATE_DIR`]: the record of applied operations, present only while recording. On
+/// disk, so every handle on the same root (the agent clones its double per plan) records.
+const OPS_LOG: &str = "ops.log";
+
+/// Under [`PRIVATE_DIR`]: live host controllers, as `controllers/<port>/<subsystem>/<host>`.
+const CONTROLLERS: &str = "controllers";
 
 /// The nvmet configfs test double rooted at a directory.
 #[derive(Debug, Clone)]
@@ -201,6 +215,85 @@ impl ConfigfsDouble {
             self.root.join(PRIVATE_DIR).join("discovered").join(nqn),
             b"",
         )
+    }
+
+    /// Starts recording the operations applied to this tree (by any handle on it), dropping
+    /// what was recorded before.
+    pub fn record_ops(&self) -> io::Result<()> {
+        fs::write(self.root.join(PRIVATE_DIR).join(OPS_LOG), b"")
+    }
+
+    /// The operations applied since [`Self::record_ops`], in order; only those that succeeded.
+    pub fn recorded_ops(&self) -> io::Result<Vec<Op>> {
+        let text = fs::read_to_string(self.root.join(PRIVATE_DIR).join(OPS_LOG))?;
+        text.lines().map(decode_op).collect()
+    }
+
+    fn record(&self, op: &Op) -> io::Result<()> {
+        let log = self.root.join(PRIVATE_DIR).join(OPS_LOG);
+        if !log.exists() {
+            return Ok(());
+        }
+        let mut file = fs::OpenOptions::new().append(true).open(log)?;
+        io::Write::write_all(&mut file, format!("{}\n", encode_op(op)).as_bytes())
+    }
+
+    /// Simulates `host` connecting to `nqn` through port `port`, as the kernel's fabrics connect
+    /// decides it: the subsystem must be linked to the port (else ENOENT) and the host admitted
+    /// by `allow_any_host` or `allowed_hosts` (else EACCES, the kernel's "invalid host"). A
+    /// connected host has identified the subsystem.
+    pub fn host_connects(&self, nqn: &str, host: &str, port: u16) -> io::Result<()> {
+        let port = port.to_string();
+        let linked = self
+            .root
+            .join(PORTS)
+            .join(&port)
+            .join(SUBSYSTEMS)
+            .join(nqn)
+            .symlink_metadata()
+            .is_ok();
+        if !linked {
+            return Err(errno(libc::ENOENT));
+        }
+        let sub = self.root.join(SUBSYSTEMS).join(nqn);
+        let any = self.attr(&sub.join("attr_allow_any_host"))? == "1";
+        let allowed = sub
+            .join("allowed_hosts")
+            .join(host)
+            .symlink_metadata()
+            .is_ok();
+        if !any && !allowed {
+            return Err(errno(libc::EACCES));
+        }
+        let dir = self.controllers_dir().join(&port).join(nqn);
+        fs::create_dir_all(&dir)?;
+        fs::write(dir.join(host), b"")?;
+        self.host_identifies(nqn)
+    }
+
+    /// The live controllers of `nqn`: (port, host NQN) pairs, sorted.
+    pub fn controllers(&self, nqn: &str) -> io::Result<Vec<(u16, String)>> {
+        let mut out = Vec::new();
+        let dir = self.controllers_dir();
+        if !dir.is_dir() {
+            return Ok(out);
+        }
+        for port in Self::dir_entries(&dir)? {
+            let hosts = dir.join(&port).join(nqn);
+            if !hosts.is_dir() {
+                continue;
+            }
+            let id = port.parse::<u16>().map_err(|_| errno(libc::EINVAL))?;
+            for host in Self::dir_entries(&hosts)? {
+                out.push((id, host));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn controllers_dir(&self) -> PathBuf {
+        self.root.join(PRIVATE_DIR).join(CONTROLLERS)
     }
 
     fn discovered(&self, nqn: &str) -> bool {
@@ -597,7 +690,16 @@ impl ConfigfsDouble {
         if !meta.file_type().is_symlink() {
             return Err(errno(libc::EPERM));
         }
-        fs::remove_file(path)
+        fs::remove_file(path)?;
+        // Unlinking a subsystem from a port deletes every controller of it on that port
+        // (nvmet_port_subsys_drop_link); dropping an allowed_hosts link deletes none.
+        if let Place::PortSubsystemLink(port, nqn) = classify(rel) {
+            let dir = self.controllers_dir().join(port).join(nqn);
+            if dir.is_dir() {
+                fs::remove_dir_all(dir)?;
+            }
+        }
+        Ok(())
     }
 
     fn rmdir(&self, rel: &Path) -> io::Result<()> {
@@ -649,8 +751,68 @@ impl Executor for ConfigfsDouble {
             Op::Symlink { target, link } => self.symlink(target, link),
             Op::Unlink { path } => self.unlink(path),
             Op::Rmdir { path } => self.rmdir(path),
-        }
+        }?;
+        self.record(op)
     }
+}
+
+/// One recorded operation per line: a verb and tab-separated fields, with `\`, tab and newline
+/// escaped so any value survives.
+fn encode_op(op: &Op) -> String {
+    fn esc(s: &str) -> String {
+        s.replace('\\', "\\\\")
+            .replace('\t', "\\t")
+            .replace('\n', "\\n")
+    }
+    let p = |path: &Path| esc(&path.to_string_lossy());
+    match op {
+        Op::Mkdir { path } => format!("mkdir\t{}", p(path)),
+        Op::Write { path, value } => format!("write\t{}\t{}", p(path), esc(value)),
+        Op::Symlink { target, link } => format!("symlink\t{}\t{}", p(target), p(link)),
+        Op::Unlink { path } => format!("unlink\t{}", p(path)),
+        Op::Rmdir { path } => format!("rmdir\t{}", p(path)),
+    }
+}
+
+fn decode_op(line: &str) -> io::Result<Op> {
+    fn unesc(s: &str) -> String {
+        let mut out = String::with_capacity(s.len());
+        let mut chars = s.chars();
+        while let Some(c) = chars.next() {
+            if c == '\\' {
+                match chars.next() {
+                    Some('t') => out.push('\t'),
+                    Some('n') => out.push('\n'),
+                    Some(other) => out.push(other),
+                    None => out.push('\\'),
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+    let fields: Vec<String> = line.split('\t').map(unesc).collect();
+    let path = |i: usize| fields.get(i).map(PathBuf::from);
+    let op = match fields.first().map(String::as_str) {
+        Some("mkdir") => path(1).map(|path| Op::Mkdir { path }),
+        Some("write") => path(1).zip(fields.get(2)).map(|(path, value)| Op::Write {
+            path,
+            value: value.clone(),
+        }),
+        Some("symlink") => path(1)
+            .zip(path(2))
+            .map(|(target, link)| Op::Symlink { target, link }),
+        Some("unlink") => path(1).map(|path| Op::Unlink { path }),
+        Some("rmdir") => path(1).map(|path| Op::Rmdir { path }),
+        _ => None,
+    };
+    op.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("bad op record {line:?}"),
+        )
+    })
 }
 
 #[cfg(test)]
@@ -674,6 +836,27 @@ mod tests {
         );
         assert_eq!(classify(Path::new("hosts/h")), Place::Host("h"));
         assert_eq!(classify(Path::new("elsewhere")), Place::Other);
+    }
+
+    #[test]
+    fn recorded_ops_round_trip_any_value() {
+        for op in [
+            Op::Mkdir {
+                path: "subsystems/x".into(),
+            },
+            Op::Write {
+                path: "a/b".into(),
+                value: "tab\there\nnew\\line\\t".into(),
+            },
+            Op::Symlink {
+                target: "hosts/h".into(),
+                link: "subsystems/x/allowed_hosts/h".into(),
+            },
+            Op::Unlink { path: "p".into() },
+            Op::Rmdir { path: "q".into() },
+        ] {
+            assert_eq!(decode_op(&encode_op(&op)).unwrap(), op);
+        }
     }
 
     #[test]

@@ -680,3 +680,59 @@ fn foreign_subsystems_are_refused() {
         Err(PlanError::ForeignSubsystem { .. })
     ));
 }
+
+// --- fencing at the target: controllers outlive an ACL change, not a port unlink --------------
+
+// proves K17, K18 (modelled by the double) and W7 at the planner: removing a host from
+// allowed_hosts leaves its live controller working; the cut the agent runs after it (unlink the
+// subsystem from its port, link it back) deletes the controllers, the revoked host is refused on
+// reconnect, and the recorded operations are exactly the ACL change then the cut.
+#[test]
+fn an_acl_change_keeps_live_controllers_and_the_cut_removes_them() {
+    let mut f = Fixture::new();
+    let spec = export("v1", &f.device.clone(), only(&[1, 2]), tcp_port(1, 4420));
+    f.export(&spec);
+    let nqn = spec.nqn.as_str().to_owned();
+    let (h1, h2) = (host(1).to_string(), host(2).to_string());
+    assert_eq!(
+        errno_of(f.double.host_connects(&nqn, &h1, 2)),
+        libc::ENOENT,
+        "not reachable through a port it is not linked to"
+    );
+    f.double.host_connects(&nqn, &h1, 1).unwrap();
+    f.double.host_connects(&nqn, &h2, 1).unwrap();
+    f.double.record_ops().unwrap();
+
+    let acl = plan_acl(&f.state(), &spec.nqn, &only(&[2])).unwrap();
+    apply(&mut f.double, &acl).unwrap();
+    assert_eq!(
+        f.double.controllers(&nqn).unwrap(),
+        vec![(1, h1.clone()), (1, h2.clone())],
+        "dropping the allowed_hosts link deletes no controller"
+    );
+    let cut = pillar_nvmet::plan_cut_connections(&f.state(), &spec.nqn);
+    apply(&mut f.double, &cut).unwrap();
+    assert!(f.double.controllers(&nqn).unwrap().is_empty());
+    assert_eq!(errno_of(f.double.host_connects(&nqn, &h1, 1)), libc::EACCES);
+    f.double.host_connects(&nqn, &h2, 1).unwrap();
+
+    let port_link = PathBuf::from(format!("ports/1/subsystems/{nqn}"));
+    assert_eq!(
+        f.double.recorded_ops().unwrap(),
+        vec![
+            Op::Unlink {
+                path: Path::new(S).join("allowed_hosts").join(&h1)
+            },
+            Op::Rmdir {
+                path: Path::new("hosts").join(&h1)
+            },
+            Op::Unlink {
+                path: port_link.clone()
+            },
+            Op::Symlink {
+                target: S.into(),
+                link: port_link
+            },
+        ]
+    );
+}

@@ -486,3 +486,144 @@ impl api::agent_server::Agent for AgentService {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The request parsers the handlers run, on arbitrary field values. Bounded for CI: 512
+    //! cases per property.
+    #![allow(clippy::unwrap_used)]
+
+    use pillar_nvmet::names::DISCOVERY_NQN;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Almost-valid and arbitrary text, so both the accept and the reject branches are reached.
+    fn text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<String>(),
+            "[a-zA-Z0-9._/ -]{0,140}",
+            "nqn\\.2014-08\\.org\\.nvmexpress:uuid:[0-9a-f-]{34,38}",
+            "nqn\\.20[0-9]{2}-[01][0-9]\\.[a-z.]{1,10}:[ -~]{0,30}",
+        ]
+    }
+
+    fn size_value() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            Just(0),
+            Just(crate::backend::MAX_VOLUME_BYTES),
+            Just(crate::backend::MAX_VOLUME_BYTES + 1),
+            any::<u64>(),
+            1u64..1 << 40,
+        ]
+    }
+
+    fn export_raw() -> impl Strategy<Value = api::ExportRequest> {
+        (
+            prop::option::of((any::<String>(), any::<u64>())),
+            text(),
+            any::<String>(),
+            prop::option::of((
+                prop_oneof![Just(0u32), 1u32..=65535, any::<u32>()],
+                any::<bool>(),
+            )),
+            prop::collection::vec(text(), 0..4),
+        )
+            .prop_map(|(t, volume_id, pool, p, hosts)| api::ExportRequest {
+                token: t.map(|(lifecycle_uid, generation)| api::FencingToken {
+                    lifecycle_uid,
+                    generation,
+                }),
+                volume_id,
+                pool,
+                protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl }),
+                allowed_host_nqns: hosts,
+            })
+    }
+
+    /// A rejected request leaves as INVALID_ARGUMENT with the InvalidRequest reason, naming the
+    /// field.
+    fn rejected_as_invalid(err: &AgentError, field: &str) -> Result<(), TestCaseError> {
+        prop_assert!(
+            matches!(err, AgentError::InvalidArgument { field: f, .. } if f.starts_with(field)),
+            "{err:?}"
+        );
+        let status = status(err);
+        prop_assert_eq!(status.code(), Code::InvalidArgument);
+        prop_assert_eq!(
+            pillar_agent_api::reason_of(&status),
+            ErrorReason::InvalidRequest
+        );
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        // proves C4 at the edge (nothing malformed reaches the service): the field parsers that
+        // every handler runs accept exactly the documented values and reject the rest as
+        // INVALID_ARGUMENT naming the field.
+        #[test]
+        fn field_parsers_accept_only_valid_values(raw in text(), bytes in size_value()) {
+            match volume_id(&raw) {
+                Ok(v) => prop_assert_eq!(VolumeId::parse(&raw).unwrap(), v),
+                Err(e) => rejected_as_invalid(&e, "volume_id")?,
+            }
+            match host_nqn("host_nqn", &raw) {
+                Ok(h) => {
+                    prop_assert_eq!(h.as_str(), raw.as_str());
+                    prop_assert!(raw != DISCOVERY_NQN);
+                    prop_assert!(!raw.contains(['/', ',']) && !raw.chars().any(char::is_whitespace));
+                }
+                Err(e) => rejected_as_invalid(&e, "host_nqn")?,
+            }
+            match size(bytes) {
+                Ok(s) => prop_assert!(s.bytes() == bytes && (1..=crate::backend::MAX_VOLUME_BYTES).contains(&bytes)),
+                Err(e) => {
+                    prop_assert!(bytes == 0 || bytes > crate::backend::MAX_VOLUME_BYTES);
+                    rejected_as_invalid(&e, "size_bytes")?;
+                }
+            }
+        }
+
+        // proves C4, W6 at the edge: an Export (and each entry of a ResyncExports, which runs
+        // the same parser) is accepted only with a valid volume ID, a TCP port 1-65535 and valid
+        // host NQNs; the typed request carries exactly those values; the token is passed through
+        // untouched for the fence to judge (a missing token is the fence's FAILED_PRECONDITION,
+        // not a parse error).
+        #[test]
+        fn export_requests_parse_to_valid_typed_values(raw in export_raw()) {
+            let sent = raw.clone();
+            match export_request(raw) {
+                Ok(req) => {
+                    prop_assert_eq!(req.volume.as_str(), sent.volume_id.as_str());
+                    prop_assert_eq!(&req.pool, &sent.pool);
+                    let p = sent.protocol.unwrap();
+                    prop_assert_eq!(u32::from(req.protocol.service.get()), p.service);
+                    prop_assert_eq!(req.protocol.acl, p.acl);
+                    let hosts: BTreeSet<&str> = sent.allowed_host_nqns.iter().map(String::as_str).collect();
+                    let typed: BTreeSet<&str> = req.allowed_hosts.iter().map(HostNqn::as_str).collect();
+                    prop_assert_eq!(hosts, typed);
+                    prop_assert_eq!(
+                        req.token,
+                        sent.token.map(|t| Token { uid: t.lifecycle_uid, generation: t.generation })
+                    );
+                }
+                Err(e) => {
+                    let field = match &e {
+                        AgentError::InvalidArgument { field, .. } => *field,
+                        other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                    };
+                    prop_assert!(
+                        ["volume_id", "protocol", "protocol.service", "allowed_host_nqns"].contains(&field),
+                        "{field}"
+                    );
+                    rejected_as_invalid(&e, field)?;
+                    // The first bad field in parse order is the one named.
+                    let volume_ok = VolumeId::parse(&sent.volume_id).is_ok();
+                    prop_assert_eq!(field == "volume_id", !volume_ok);
+                }
+            }
+        }
+    }
+}

@@ -660,3 +660,77 @@ async fn expand_grows_and_shrink_is_refused() {
         c.delete_volume(delete("u1", 6, "vol-h")).await.unwrap();
     }
 }
+
+// proves W7 at the agent: a revoke under `acl` cuts the revoked host's live connection, not only
+// its future ones. The configfs double models host controllers (unlinking a subsystem from a
+// port deletes them; dropping an allowed_hosts link deletes none) and records the operations the
+// agent applied: the revoke is exactly "drop the host from the ACL, then unlink the subsystem
+// from its port and link it back", in that order (the other way round, the revoked host could
+// reconnect between the cut and the ACL change). Afterwards no controller of the revoked host
+// remains and it cannot reconnect, while the still-admitted host can.
+#[tokio::test]
+async fn a_revoke_cuts_the_live_connection_of_the_revoked_host() {
+    use pillar_nvmet::{ConfigfsDouble, Op};
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        let c = &mut a.client;
+        c.create_volume(create_req("u1", 1, "vol-w7", 16 * MIB))
+            .await
+            .unwrap();
+        c.export(export_req("u1", 2, "vol-w7", true, &[1, 2]))
+            .await
+            .unwrap();
+        let n = nqn("vol-w7");
+        let double = ConfigfsDouble::create(a.dirs.configfs()).unwrap();
+        double.host_connects(&n, &host(1), 4420).unwrap();
+        double.host_connects(&n, &host(2), 4420).unwrap();
+        assert_eq!(
+            double.controllers(&n).unwrap(),
+            vec![(4420, host(1)), (4420, host(2))]
+        );
+        double.record_ops().unwrap();
+
+        c.revoke_initiator(revoke("u1", 3, "vol-w7", 1))
+            .await
+            .unwrap();
+
+        let port_link = format!("ports/4420/subsystems/{n}");
+        assert_eq!(
+            double.recorded_ops().unwrap(),
+            vec![
+                Op::Unlink {
+                    path: format!("subsystems/{n}/allowed_hosts/{}", host(1)).into()
+                },
+                Op::Rmdir {
+                    path: format!("hosts/{}", host(1)).into()
+                },
+                Op::Unlink {
+                    path: port_link.clone().into()
+                },
+                Op::Symlink {
+                    target: format!("subsystems/{n}").into(),
+                    link: port_link.into()
+                },
+            ],
+            "{engine:?}"
+        );
+        assert!(
+            double.controllers(&n).unwrap().is_empty(),
+            "{engine:?}: the cut deleted every controller of the subsystem"
+        );
+        assert_eq!(
+            double
+                .host_connects(&n, &host(1), 4420)
+                .unwrap_err()
+                .raw_os_error(),
+            Some(libc::EACCES),
+            "{engine:?}: the revoked host cannot reconnect"
+        );
+        double.host_connects(&n, &host(2), 4420).unwrap();
+        assert_eq!(double.controllers(&n).unwrap(), vec![(4420, host(2))]);
+
+        c.unexport(unexport("u1", 4, "vol-w7")).await.unwrap();
+        c.delete_volume(delete("u1", 5, "vol-w7")).await.unwrap();
+    }
+}

@@ -314,6 +314,224 @@ mod tests {
         assert!(SizeRange::parse(Some(&bad)).is_err());
     }
 
+    mod properties {
+        //! Bounded for CI: 512 cases per property.
+        use proptest::prelude::*;
+        use tonic::Code;
+
+        use super::super::*;
+        use crate::controller::code_of;
+        use crate::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+
+        /// CreateVolume names: anything, names that already are volume IDs, names with the
+        /// hashed shape, and names with near-miss shapes.
+        fn name() -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<String>(),
+                "[a-z0-9][a-z0-9.-]{0,20}",
+                "pvc-[0-9a-f-]{36}",
+                "pillar-[0-9a-f]{32}",
+                "pillar-[0-9a-fA-F]{30,34}",
+                "[a-zA-Z0-9._-]{1,130}",
+            ]
+        }
+
+        fn capability() -> impl Strategy<Value = Option<csi::VolumeCapability>> {
+            let access = prop_oneof![
+                Just(None),
+                Just(Some(AccessType::Block(BlockVolume {}))),
+                ("[a-z0-9]{0,6}", prop::collection::vec("[ -~]{0,8}", 0..2)).prop_map(
+                    |(fs_type, mount_flags)| Some(AccessType::Mount(MountVolume {
+                        fs_type,
+                        mount_flags,
+                        ..Default::default()
+                    }))
+                ),
+            ];
+            let mode = prop_oneof![
+                Just(None),
+                (-2i32..10).prop_map(|mode| Some(AccessMode { mode }))
+            ];
+            prop::option::of((access, mode).prop_map(|(access_type, access_mode)| {
+                csi::VolumeCapability {
+                    access_type,
+                    access_mode,
+                }
+            }))
+        }
+
+        fn range() -> impl Strategy<Value = Option<csi::CapacityRange>> {
+            prop::option::of((any::<i64>(), any::<i64>()).prop_map(
+                |(required_bytes, limit_bytes)| csi::CapacityRange {
+                    required_bytes,
+                    limit_bytes,
+                },
+            ))
+        }
+
+        fn volume_ref_ok(sent: &str, got: &VolumeRef) -> Result<(), TestCaseError> {
+            match got {
+                VolumeRef::Pillar(v) => {
+                    prop_assert_eq!(v.as_str(), sent);
+                    prop_assert!(pillar_volume_id(sent).is_some());
+                }
+                VolumeRef::Unknown(id) => {
+                    prop_assert_eq!(id.as_str(), sent);
+                    prop_assert!(pillar_volume_id(sent).is_none());
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+            // proves W1 (one name, one volume): the name -> volume ID map is injective, for
+            // arbitrary names, names that already are IDs, and a name equal to the ID another
+            // name hashed to. Every ID it gives is one pillar issues (a volume ID and a valid
+            // object name); a refusal is INVALID_ARGUMENT.
+            #[test]
+            fn the_name_map_is_injective(a in name(), b in name(), lookalike in any::<bool>()) {
+                let ia = volume_id_for_name(&a);
+                let b = match (&ia, lookalike) {
+                    (Ok(id), true) => id.to_string(),
+                    _ => b,
+                };
+                let ib = volume_id_for_name(&b);
+                for (name, id) in [(&a, &ia), (&b, &ib)] {
+                    match id {
+                        Ok(id) => prop_assert!(pillar_volume_id(id.as_str()).is_some(), "{name:?} -> {id}"),
+                        Err(e) => {
+                            prop_assert_eq!(code_of(e), Code::InvalidArgument);
+                            prop_assert!(name.is_empty() || name.chars().any(char::is_control));
+                        }
+                    }
+                }
+                if let (Ok(ia), Ok(ib)) = (&ia, &ib) {
+                    prop_assert_eq!(a == b, ia == ib, "{:?} and {:?} both map to {}", a, b, ia);
+                }
+                // Stable: a retry of the same name finds the same volume.
+                prop_assert_eq!(ia.ok(), volume_id_for_name(&a).ok());
+            }
+
+            // The controller's request parsers on arbitrary fields: no panic; an accepted
+            // request carries what was sent; a refusal has the code CSI asks for
+            // (INVALID_ARGUMENT for malformed fields, NOT_FOUND for an unknown node in
+            // ControllerUnpublish, ABORTED for a bad ListVolumes starting token).
+            #[test]
+            fn request_parsers_never_panic_and_answer_the_right_code(
+                name in name(),
+                volume_id in name(),
+                node_id in prop_oneof![any::<String>(), "[a-z0-9-]{1,10}/nqn\\.2014-08\\.org\\.nvmexpress:uuid:[0-9a-f-]{36}"],
+                cap in capability(),
+                caps in prop::collection::vec(capability(), 0..3),
+                capacity in range(),
+                readonly in any::<bool>(),
+                token in prop_oneof![any::<String>(), "[0-9]{0,4}"],
+                max_entries in any::<i32>(),
+            ) {
+                let create_req = csi::CreateVolumeRequest {
+                    name: name.clone(),
+                    capacity_range: capacity,
+                    volume_capabilities: caps.iter().flatten().cloned().collect(),
+                    ..Default::default()
+                };
+                match create(create_req) {
+                    Ok(c) => {
+                        prop_assert_eq!(c.volume, volume_id_for_name(&name).unwrap());
+                        prop_assert!(c.size.limit == 0 || c.size.limit >= c.size.required);
+                    }
+                    Err(e) => prop_assert_eq!(code_of(&e), Code::InvalidArgument, "{}", e),
+                }
+
+                let publish_req = csi::ControllerPublishVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    node_id: node_id.clone(),
+                    volume_capability: cap.clone(),
+                    readonly,
+                    ..Default::default()
+                };
+                match publish(&publish_req) {
+                    Ok(p) => {
+                        volume_ref_ok(&volume_id, &p.volume)?;
+                        prop_assert_eq!(&p.node_id, &node_id);
+                        prop_assert!(!node_id.is_empty() && cap.is_some());
+                        prop_assert_eq!(p.readonly, readonly);
+                    }
+                    Err(e) => prop_assert_eq!(code_of(&e), Code::InvalidArgument, "{}", e),
+                }
+
+                let unpublish_req = csi::ControllerUnpublishVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    node_id: node_id.clone(),
+                    ..Default::default()
+                };
+                match unpublish(&unpublish_req) {
+                    Ok(u) => {
+                        volume_ref_ok(&volume_id, &u.volume)?;
+                        prop_assert_eq!(u.node.is_none(), node_id.is_empty());
+                    }
+                    Err(e) => {
+                        let code = code_of(&e);
+                        prop_assert!(
+                            (volume_id.is_empty() && code == Code::InvalidArgument)
+                                || (!volume_id.is_empty() && code == Code::NotFound),
+                            "{e}"
+                        );
+                    }
+                }
+
+                for result in [
+                    delete(&csi::DeleteVolumeRequest { volume_id: volume_id.clone(), ..Default::default() }),
+                    get(&csi::ControllerGetVolumeRequest { volume_id: volume_id.clone() }),
+                ] {
+                    match result {
+                        Ok(v) => volume_ref_ok(&volume_id, &v)?,
+                        Err(e) => {
+                            prop_assert!(volume_id.is_empty());
+                            prop_assert_eq!(code_of(&e), Code::InvalidArgument);
+                        }
+                    }
+                }
+
+                match expand(&csi::ControllerExpandVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    capacity_range: capacity,
+                    ..Default::default()
+                }) {
+                    Ok(x) => {
+                        volume_ref_ok(&volume_id, &x.volume)?;
+                        prop_assert!(x.required >= 1);
+                    }
+                    Err(e) => prop_assert_eq!(code_of(&e), Code::InvalidArgument, "{}", e),
+                }
+
+                match validate(&csi::ValidateVolumeCapabilitiesRequest {
+                    volume_id: volume_id.clone(),
+                    volume_capabilities: caps.iter().flatten().cloned().collect(),
+                    ..Default::default()
+                }) {
+                    Ok((v, parsed)) => {
+                        volume_ref_ok(&volume_id, &v)?;
+                        prop_assert_eq!(parsed.len(), caps.iter().flatten().count());
+                    }
+                    Err(e) => prop_assert_eq!(code_of(&e), Code::InvalidArgument, "{}", e),
+                }
+
+                match list(&csi::ListVolumesRequest { starting_token: token.clone(), max_entries }) {
+                    Ok((start, max)) => {
+                        prop_assert!(token.is_empty() || token.parse::<usize>() == Ok(start));
+                        prop_assert!(max_entries >= 0 && usize::try_from(max_entries) == Ok(max));
+                    }
+                    Err(e) => {
+                        let code = code_of(&e);
+                        prop_assert!(code == Code::Aborted || (code == Code::InvalidArgument && max_entries < 0), "{e}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn names_map_to_stable_ids() {
         assert_eq!(

@@ -309,6 +309,126 @@ mod tests {
             .collect()
     }
 
+    mod properties {
+        //! Bounded for CI: 512 cases per property.
+        use proptest::prelude::*;
+        use tonic::Code;
+
+        use super::super::*;
+        use crate::node::code_of;
+
+        const KEYS: [&str; 9] = [
+            context::NQN,
+            context::TRADDR,
+            context::TRSVCID,
+            context::CTRL_LOSS_TMO,
+            context::RECONNECT_DELAY,
+            context::LOCAL_DEVICE,
+            context::FS_TYPE,
+            context::MKFS_OPTIONS,
+            context::READ_ONLY,
+        ];
+
+        /// Values near what the controller sends, and anything at all.
+        fn value(nqn: String) -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<String>(),
+                Just(nqn),
+                "(-?[0-9]{1,6})|(19[0-9]\\.0\\.2\\.[0-9]{1,3})|(::[0-9])",
+                "(true|false|ext4|xfs|btrfs|/dev/loop[0-9]|\\[\"-m0\"\\]|\\[1\\])",
+                Just(String::new()),
+            ]
+        }
+
+        fn context_map(volume: &VolumeId) -> impl Strategy<Value = HashMap<String, String>> {
+            let nqn = volume.subsystem_nqn().to_string();
+            // A valid context for either mode, then a few keys overwritten or removed, so both
+            // the accept and every reject branch are reached.
+            let good: HashMap<String, String> = [
+                (context::NQN, nqn.as_str()),
+                (context::TRADDR, "192.0.2.10"),
+                (context::TRSVCID, "4420"),
+                (context::CTRL_LOSS_TMO, "-1"),
+                (context::RECONNECT_DELAY, "2"),
+                (context::LOCAL_DEVICE, "/dev/loop0"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+            let edits = (0..KEYS.len(), prop::option::of(value(nqn.clone())));
+            prop::collection::vec(edits, 0..4).prop_map(move |edits| {
+                let mut ctx = good.clone();
+                for (k, v) in edits {
+                    match v {
+                        Some(v) => ctx.insert(KEYS[k].to_owned(), v),
+                        None => ctx.remove(KEYS[k]),
+                    };
+                }
+                ctx
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+            // proves N1 at the edge: the field parsers every node call runs never panic,
+            // accept only what they document and refuse everything else as INVALID_ARGUMENT
+            // (NOT_FOUND for a relative volume_path, the spec's code for a volume not there).
+            #[test]
+            fn field_parsers_never_panic_and_answer_the_right_code(raw in prop_oneof![any::<String>(), "/?[a-zA-Z0-9._/-]{0,40}"]) {
+                match volume_id(&raw) {
+                    Ok(v) => prop_assert_eq!(v.as_str(), raw.as_str()),
+                    Err(e) => prop_assert_eq!(code_of(&e), Code::InvalidArgument),
+                }
+                match path("target_path", &raw) {
+                    Ok(p) => prop_assert!(p.is_absolute() && p == Path::new(&raw)),
+                    Err(e) => prop_assert_eq!(code_of(&e), Code::InvalidArgument),
+                }
+                match published_path("volume_path", &raw) {
+                    Ok(p) => prop_assert!(p.is_absolute()),
+                    Err(e) => prop_assert_eq!(
+                        code_of(&e),
+                        if raw.is_empty() { Code::InvalidArgument } else { Code::NotFound }
+                    ),
+                }
+            }
+
+            // proves N1: whatever publish_context holds, the stage context parser never panics;
+            // an accepted context names this volume's own NQN, connects with this node's host
+            // NQN and host ID and valid options, and a refusal is INVALID_ARGUMENT.
+            #[test]
+            fn stage_contexts_never_panic_and_accept_only_this_volume(
+                ctx in context_map(&VolumeId::parse("pvc-1").unwrap()),
+                local in any::<bool>(),
+            ) {
+                let vol = VolumeId::parse("pvc-1").unwrap();
+                let host = HostNqn::parse(super::HOST).unwrap();
+                let id = Uuid::from_u128(7);
+                let mode = if local { AttachMode::LocalDevice } else { AttachMode::NvmeTcp };
+                match stage_context(&vol, &ctx, &mode, &host, id) {
+                    Ok(sc) => {
+                        prop_assert_eq!(&sc.nqn, &vol.subsystem_nqn());
+                        match sc.target {
+                            AttachTarget::Nvme(o) => {
+                                prop_assert!(!local);
+                                prop_assert_eq!(&o.hostnqn, &host);
+                                prop_assert_eq!(o.hostid, id);
+                                prop_assert_eq!(&o.nqn, &sc.nqn);
+                                prop_assert!(o.ctrl_loss_tmo >= -1);
+                                prop_assert!(o.validate().is_ok());
+                            }
+                            AttachTarget::Local { device, .. } => {
+                                prop_assert!(local && device.is_absolute());
+                            }
+                        }
+                        prop_assert_eq!(sc.read_only, ctx.get(context::READ_ONLY).map(String::as_str) == Some("true"));
+                    }
+                    Err(e) => prop_assert_eq!(code_of(&e), Code::InvalidArgument, "{:?}", e),
+                }
+            }
+        }
+    }
+
     // proves N1: the connect options carry this node's host NQN and host ID, and the NQN must be
     // the volume's own.
     #[test]
