@@ -10,6 +10,7 @@ use crate::harness::checks::{
     check_configfs_export, configfs_identity, host_controllers, host_device,
 };
 use crate::harness::data::{DataSet, Writer};
+use crate::harness::kmsg::needles::IDENTIFIERS_CHANGED;
 use crate::harness::gate::{Scenario, in_lane};
 use crate::harness::lab::Lab;
 
@@ -105,9 +106,9 @@ async fn s2_agent_restart_keeps_identity() {
         (s.device.name.as_str(), s.device.devnum),
         "same block device"
     );
-    lab.kmsg.expect_absent(k0, "identifiers changed");
-    lab.kmsg.expect_absent(k1, "Reconnecting");
-    lab.kmsg.expect_absent(k1, "Removing ctrl");
+    lab.kmsg.expect_absent(k0, IDENTIFIERS_CHANGED);
+    lab.kmsg.expect_absent(k1, &["Reconnecting"]);
+    lab.kmsg.expect_absent(k1, &["Removing ctrl"]);
     let mark_after = fs::read(&mark).expect("fencing mark kept");
     assert_ne!(
         mark_after, mark_before,

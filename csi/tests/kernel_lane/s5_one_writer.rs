@@ -8,7 +8,8 @@ use crate::harness::MIB;
 use crate::harness::checks::{check_configfs_export, connect_opts, host_controllers};
 use crate::harness::data::DataSet;
 use crate::harness::gate::{Scenario, in_lane};
-use crate::harness::lab::{Lab, host_paths};
+use crate::harness::kmsg::needles::not_allowed;
+use crate::harness::lab::{Lab, host_paths, nqn_of};
 
 /// Scenario 5: one writer. With `acl: true` a second host identity in the same guest cannot
 /// publish or connect while the volume is published RWO to the first; after unpublish from the
@@ -53,11 +54,8 @@ async fn s5_one_writer() {
         direct.is_err(),
         "host B connected to a volume published RWO to node-a"
     );
-    lab.kmsg.expect(
-        k1,
-        &["connect by host", b.host_nqn.as_str(), "not allowed"],
-        Duration::from_secs(5),
-    );
+    let refused_b = not_allowed(&b.host_nqn, &nqn_of(vol));
+    lab.kmsg.expect(k1, &refused_b, Duration::from_secs(5));
     let staged_b = lab.stage(&mut b, vol, &sa.publish_context).await;
     assert!(
         staged_b.is_err(),
@@ -73,8 +71,8 @@ async fn s5_one_writer() {
             .is_none()
     );
     assert!(
-        lab.kmsg.count(k1, "not allowed") >= 2,
-        "the target refused both connects"
+        lab.kmsg.count(k1, &refused_b) >= 2,
+        "the target refused both connects of host B to this subsystem"
     );
     sc.step(
         "host B (second hostnqn/hostid) refused by the target: direct connect and NodeStage fail",
@@ -94,7 +92,7 @@ async fn s5_one_writer() {
     );
     lab.kmsg.expect(
         k2,
-        &["connect by host", a.host_nqn.as_str(), "not allowed"],
+        &not_allowed(&a.host_nqn, &nqn_of(vol)),
         Duration::from_secs(5),
     );
     sc.step("published to node-b: it connects and reads node-a's data; host A is now refused");

@@ -13,6 +13,7 @@ use crate::harness::checks::{
     blocked_write_probe, check_configfs_export, connect_opts, host_controllers, host_device, token,
 };
 use crate::harness::data::pattern;
+use crate::harness::kmsg::needles::{IDENTIFIERS_CHANGED, not_allowed};
 use crate::harness::gate::{Scenario, in_lane};
 use crate::harness::lab::{Lab, host_paths, nqn_of};
 use crate::harness::machine::{drop_caches, nvmet_is_empty};
@@ -158,17 +159,8 @@ async fn s6_stale_revoke_rejected() {
         .expect("the current revoke");
     check_configfs_export(vol, &[]);
     let start = Instant::now();
-    lab.kmsg.expect(
-        k1,
-        &[
-            "connect by host",
-            host.as_str(),
-            "for subsystem",
-            nqn_of(vol).as_str(),
-            "not allowed",
-        ],
-        Duration::from_secs(10),
-    );
+    lab.kmsg
+        .expect(k1, &not_allowed(&host, &nqn_of(vol)), Duration::from_secs(10));
     let refused = start.elapsed();
     let ctrls = host_controllers(vol, &host);
     assert!(
@@ -214,5 +206,5 @@ async fn s6_stale_revoke_rejected() {
         .await
         .expect("DeleteVolume");
     assert!(nvmet_is_empty(), "nvmet state left after unexport");
-    lab.kmsg.expect_absent(k0, "identifiers changed");
+    lab.kmsg.expect_absent(k0, IDENTIFIERS_CHANGED);
 }
