@@ -4,18 +4,24 @@
 #   tests/kernel-lane/run.sh [LIBTEST FILTER...]
 #
 # 1. setup.sh: host packages, the Debian kernels (downloaded and unpacked, never installed)
-# 2. cargo: pillar-agent, pillar-csi and the test binary of csi/tests/kernel_lane/
+# 2. cargo: pillar-agent, pillar-csi and the test binary of csi/tests/kernel_lane/; the scenarios
+#    the filter selects are listed on the host (`--list`, nothing runs there)
 # 3. for each kernel (bookworm's 6.1, then sid's newest): boot it under qemu and run the
 #    scenarios there (guest/pillar.sh), against the real nvmet target and NVMe/TCP host
-# 4. a table of per-scenario times and results; exit code 0 only when every scenario passed on
-#    every kernel
+# 4. a table of per-scenario times and results; exit code 0 only when, on every kernel, every
+#    listed scenario printed exactly one result line and it is PASS, no other scenario reported,
+#    nothing printed `SKIP:` and the VM's exit code is 0
 #
 # Arguments are passed to the test binary (libtest), e.g. `run.sh s3_` runs scenario 3 only.
+# A filter that selects no scenario, or an empty kernel list, is a failure (nothing would be
+# tested).
 #
 # Env:
-#   KERNEL_LANE_KERNELS   kernel labels to run (default "bookworm sid")
+#   KERNEL_LANE_KERNELS   kernel labels to run (default "bookworm sid"; set but empty: failure)
 #   KERNEL_LANE_PROFILE   cargo profile: dev (default) or release
 #   KERNEL_LANE_SKIP_SETUP=1  do not run setup.sh (the kernels must be prepared)
+#   KERNEL_LANE_GUEST_SCRIPT  guest script (default guest/pillar.sh); only to check the lane's
+#                         own verdict (a script that reports no scenario must fail the lane)
 #   PILLAR_LANE_ENGINE    agent engine in the guest: io_uring (default) or sync
 #   VM_MEM, VM_TIMEOUT, ... as for vm.sh (defaults here: VM_MEM 1024, VM_TIMEOUT 600)
 set -euo pipefail
@@ -25,7 +31,15 @@ LOG_TAG=lane
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-read -r -a KERNELS <<<"${KERNEL_LANE_KERNELS:-bookworm sid}"
+# `-`, not `:-`: a list set but empty is an error, not the default.
+read -r -a KERNELS <<<"${KERNEL_LANE_KERNELS-bookworm sid}"
+((${#KERNELS[@]} > 0)) || die "KERNEL_LANE_KERNELS is empty: no kernel to run the scenarios on (KERNEL LANE: FAILED)"
+declare -A SEEN_KERNEL=()
+for k in "${KERNELS[@]}"; do
+  [[ -z ${SEEN_KERNEL[$k]:-} ]] || die "kernel $k is listed twice in KERNEL_LANE_KERNELS (KERNEL LANE: FAILED)"
+  SEEN_KERNEL[$k]=1
+done
+GUEST_SCRIPT=${KERNEL_LANE_GUEST_SCRIPT:-$LANE_DIR/guest/pillar.sh}
 PROFILE=${KERNEL_LANE_PROFILE:-dev}
 export VM_MEM=${VM_MEM:-1024}
 export VM_TIMEOUT=${VM_TIMEOUT:-600}
@@ -66,49 +80,73 @@ for b in "$PILLAR_AGENT_BIN" "$PILLAR_CSI_BIN"; do [[ -x $b ]] || die "missing $
 T_BUILD=$(secs_since "$t")
 log "test binary: $TEST_BIN"
 
+# The scenarios this run must report, as the guest's libtest selects them: the same binary and
+# arguments, listed on the host (listing runs no test). The result line names a scenario by its
+# function name, the last part of the libtest path.
+listing=$("$TEST_BIN" --list --include-ignored "$@") || die "cannot list the scenarios (libtest arguments: $*)"
+mapfile -t EXPECTED < <(sed -n 's/^\(.*\): test$/\1/p' <<<"$listing" | sed 's/.*:://' | sort -u)
+((${#EXPECTED[@]} > 0)) || die "no scenario matches the libtest arguments '$*': nothing would be tested (KERNEL LANE: FAILED)"
+log "scenarios to run on each of ${KERNELS[*]}: ${EXPECTED[*]}"
+
 # ---------------------------------------------------------------- 3. kernels
 declare -A RC VM_TIME LOGS
-failed=0
 for k in "${KERNELS[@]}"; do
   log "=== kernel $k"
   logfile=$LANE_STATE/logs/pillar-$k-$(date +%Y%m%d-%H%M%S).log
   LOGS[$k]=$logfile
   t=$EPOCHREALTIME
   set +e
-  VM_LOG=$logfile "$LANE_DIR/vm.sh" "$k" "$LANE_DIR/guest/pillar.sh" "$TEST_BIN" "$@"
+  VM_LOG=$logfile "$LANE_DIR/vm.sh" "$k" "$GUEST_SCRIPT" "$TEST_BIN" "$@"
   rc=$?
   set -e
   RC[$k]=$rc
   VM_TIME[$k]=$(secs_since "$t")
-  ((rc == 0)) || failed=1
 done
 
 # ---------------------------------------------------------------- 4. summary
+# Per kernel: every listed scenario has exactly one result line and it says PASS; no result line
+# for a scenario that was not listed; no `SKIP:` anywhere in the console (libtest prints
+# `test NAME ... ` without a newline before the scenario's own output, so a skip is mid-line);
+# the VM's exit code is 0.
 echo
 echo "== kernel lane summary"
-printf '%-10s %-24s %-44s %-6s %9s\n' kernel version scenario result seconds
+printf '%-10s %-24s %-44s %-8s %9s\n' kernel version scenario result seconds
+problems=()
 for k in "${KERNELS[@]}"; do
   kver=$(resolve_kernel "$k" || echo "?")
-  found=0
+  declare -A COUNT=() RES=() SEC=()
   while read -r line; do
-    found=1
+    [[ -n $line ]] || continue
     scen=$(sed -n 's/.*scenario=\([^ ]*\).*/\1/p' <<<"$line")
-    res=$(sed -n 's/.*result=\([^ ]*\).*/\1/p' <<<"$line")
-    sec=$(sed -n 's/.*seconds=\([^ ]*\).*/\1/p' <<<"$line")
-    printf '%-10s %-24s %-44s %-6s %9s\n' "$k" "$kver" "$scen" "$res" "$sec"
+    COUNT[$scen]=$((${COUNT[$scen]:-0} + 1))
+    RES[$scen]=$(sed -n 's/.*result=\([^ ]*\).*/\1/p' <<<"$line")
+    SEC[$scen]=$(sed -n 's/.*seconds=\([^ ]*\).*/\1/p' <<<"$line")
   done < <(grep -a -o 'KERNEL-LANE-RESULT .*' "${LOGS[$k]}" | tr -d '\r' || true)
-  ((found)) || printf '%-10s %-24s %-44s %-6s %9s\n' "$k" "$kver" "(no scenario result)" "-" "-"
-  skips=$(grep -a -c '^SKIP:' "${LOGS[$k]}" || true)
-  if ((skips > 0)); then
-    echo "$k: $skips scenario(s) printed SKIP inside the VM: that is a failure of the lane"
-    failed=1
-  fi
-  printf '%-10s %-24s %-44s %-6s %9s\n' "$k" "$kver" "(whole VM: boot, modules, scenarios)" "rc=${RC[$k]}" "${VM_TIME[$k]}"
+  for scen in "${EXPECTED[@]}"; do
+    n=${COUNT[$scen]:-0}
+    if ((n == 0)); then
+      printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "$scen" "MISSING" "-"
+      problems+=("$k: $scen printed no result line")
+      continue
+    fi
+    printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "$scen" "${RES[$scen]}" "${SEC[$scen]}"
+    ((n == 1)) || problems+=("$k: $scen printed $n result lines")
+    [[ ${RES[$scen]} == PASS ]] || problems+=("$k: $scen result ${RES[$scen]}")
+  done
+  for scen in "${!COUNT[@]}"; do
+    [[ " ${EXPECTED[*]} " == *" $scen "* ]] || problems+=("$k: $scen reported a result but was not listed")
+  done
+  skips=$(grep -a -c 'SKIP:' "${LOGS[$k]}" || true)
+  ((skips == 0)) || problems+=("$k: $skips line(s) with SKIP: in the console: a skipped scenario tested nothing")
+  [[ ${RC[$k]} == 0 ]] || problems+=("$k: VM exit code ${RC[$k]}")
+  printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "(whole VM: boot, modules, scenarios)" "rc=${RC[$k]}" "${VM_TIME[$k]}"
+  unset COUNT RES SEC
 done
 echo "setup ${T_SETUP}s, build ${T_BUILD}s, total $(secs_since "$T_START")s"
 for k in "${KERNELS[@]}"; do echo "console log $k: ${LOGS[$k]}"; done
-if ((failed)); then
+if ((${#problems[@]} > 0)); then
+  printf '  %s\n' "${problems[@]}"
   echo "KERNEL LANE: FAILED"
   exit 1
 fi
-echo "KERNEL LANE: PASSED"
+echo "KERNEL LANE: PASSED (${#EXPECTED[@]} scenario(s) x ${#KERNELS[@]} kernel(s))"
