@@ -17,10 +17,24 @@ use crate::harness::machine::{names, read_attr};
 use crate::harness::{CTRL_LOSS_TMO, NVMET, PORT, RECONNECT_DELAY};
 
 /// This host's controllers of `volume`'s subsystem.
+///
+/// A bounded retry (2 s): a controller that is being set up, reconnecting or torn down can
+/// answer a read of one of its sysfs attributes with an error (ENODEV) while its directory is
+/// still listed, and the scenarios list controllers exactly then (right after a connect, after
+/// a cut). Such a read says nothing about the volume; a listing that keeps failing does.
 pub(crate) fn host_controllers(volume: &str, host: &HostNqn) -> Vec<pillar_host::ControllerInfo> {
-    controllers_for(&host_paths(), &nqn_of(volume))
-        .unwrap()
-        .into_iter()
+    let start = Instant::now();
+    let all = loop {
+        match controllers_for(&host_paths(), &nqn_of(volume)) {
+            Ok(all) => break all,
+            Err(e) if start.elapsed() < Duration::from_secs(2) => {
+                println!("  listing controllers of {volume}: {e} (retrying)");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!("listing controllers of {volume}: {e}"),
+        }
+    };
+    all.into_iter()
         .filter(|c| c.hostnqn.as_deref() == Some(host.as_str()))
         .collect()
 }
