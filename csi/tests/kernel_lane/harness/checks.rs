@@ -11,7 +11,6 @@ use pillar_host::ConnectOptions;
 use pillar_host::sysfs::{NamespaceDevice, controllers_for, namespaces_for_host};
 use pillar_nvmet::{HostNqn, derive_serial};
 
-use crate::harness::data::pattern;
 use crate::harness::lab::{NodePlugin, Staged, host_paths, identity_of, nqn_of};
 use crate::harness::machine::{names, read_attr};
 use crate::harness::{CTRL_LOSS_TMO, NVMET, PORT, RECONNECT_DELAY};
@@ -176,24 +175,50 @@ pub(crate) async fn volume_stats(
     }
 }
 
-/// Starts a 4 KiB write + fsync on `dev` in a thread and reports what happened within
-/// `timeout`: "SUCCEEDED", "FAILED: <error>" or "BLOCKED" (still waiting; the thread is left to
-/// finish when the controller is deleted at cleanup).
-pub(crate) fn blocked_write_probe(dev: &Path, timeout: Duration) -> String {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let dev = dev.to_owned();
-    std::thread::spawn(move || {
-        let r = OpenOptions::new()
-            .write(true)
-            .open(&dev)
-            .and_then(|mut f| f.write_all(&pattern(99, 4096)).and_then(|()| f.sync_all()));
-        let _ = tx.send(r);
-    });
-    match rx.recv_timeout(timeout) {
-        Ok(Ok(())) => "SUCCEEDED".into(),
-        Ok(Err(e)) => format!("FAILED: {e}"),
-        Err(_) => format!("BLOCKED for {timeout:?}"),
+/// A write of some data at offset 0 of a path (a block device, or a file it creates) + fsync,
+/// running in a thread of its own: a write that cannot reach the target may block (the host
+/// keeps reconnecting) or fail.
+pub(crate) struct WriteProbe {
+    rx: std::sync::mpsc::Receiver<std::io::Result<()>>,
+    outcome: Option<String>,
+}
+
+impl WriteProbe {
+    pub(crate) fn start(path: &Path, data: &[u8]) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (path, data) = (path.to_owned(), data.to_owned());
+        std::thread::spawn(move || {
+            let r = OpenOptions::new()
+                .write(true)
+                .create(!path.exists())
+                .truncate(false)
+                .open(&path)
+                .and_then(|mut f| f.write_all(&data).and_then(|()| f.sync_all()));
+            let _ = tx.send(r);
+        });
+        Self { rx, outcome: None }
     }
+
+    /// What happened within `timeout` (or earlier): "SUCCEEDED", "FAILED: <error>" or "BLOCKED
+    /// for <timeout>" (still waiting; ask again later).
+    pub(crate) fn outcome(&mut self, timeout: Duration) -> String {
+        if let Some(o) = &self.outcome {
+            return o.clone();
+        }
+        let o = match self.rx.recv_timeout(timeout) {
+            Ok(Ok(())) => "SUCCEEDED".to_owned(),
+            Ok(Err(e)) => format!("FAILED: {e}"),
+            Err(_) => return format!("BLOCKED for {timeout:?}"),
+        };
+        self.outcome = Some(o.clone());
+        o
+    }
+}
+
+/// [`WriteProbe`] asked once: the thread of a blocked write is left to finish when the
+/// controller is deleted at cleanup.
+pub(crate) fn blocked_write_probe(path: &Path, data: &[u8], timeout: Duration) -> String {
+    WriteProbe::start(path, data).outcome(timeout)
 }
 
 pub(crate) fn check_configfs_export_exists(volume: &str) {
