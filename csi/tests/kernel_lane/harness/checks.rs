@@ -12,7 +12,7 @@ use pillar_host::sysfs::{NamespaceDevice, controllers_for, namespaces_for_host};
 use pillar_nvmet::{HostNqn, derive_serial};
 
 use crate::harness::lab::{NodePlugin, Staged, host_paths, identity_of, nqn_of};
-use crate::harness::machine::{names, read_attr};
+use crate::harness::machine::{names, read_attr, write_attr};
 use crate::harness::{CTRL_LOSS_TMO, NVMET, PORT, RECONNECT_DELAY};
 
 /// This host's controllers of `volume`'s subsystem.
@@ -74,6 +74,32 @@ pub(crate) fn host_device(volume: &str, host: &HostNqn) -> NamespaceDevice {
     assert_eq!(dev.uuid, Some(want.uuid), "namespace UUID in sysfs");
     assert_eq!(dev.nguid, Some(want.nguid), "namespace NGUID in sysfs");
     dev
+}
+
+/// Deletes this host's controllers of `volume` (sysfs `delete_controller`: queued I/O fails) and
+/// waits up to 20 s for them to go.
+pub(crate) fn delete_host_controllers(volume: &str, host: &HostNqn) {
+    for c in host_controllers(volume, host) {
+        let r = write_attr(
+            &Path::new("/sys/class/nvme")
+                .join(&c.name)
+                .join("delete_controller"),
+            "1",
+        );
+        println!(
+            "  delete controller {} ({}): {r:?}",
+            c.name,
+            c.state.as_str()
+        );
+    }
+    let start = Instant::now();
+    while !host_controllers(volume, host).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "controllers of {volume} for {host} left 20 s after delete_controller"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Waits until one of this host's controllers of `volume` is in `state` (sysfs `state`).
