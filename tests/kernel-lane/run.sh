@@ -65,20 +65,70 @@ t=$EPOCHREALTIME
 # is already built: the test builds also build pillar-agent and pillar-csi, with the same
 # features (a `-p` build would resolve features differently and rebuild the dependencies).
 log "cargo test --workspace --no-run (profile $PROFILE): the kernel_lane test, pillar-agent, pillar-csi"
-cargo test --locked --workspace --profile "$PROFILE" --no-run
-TEST_BIN=$(cargo test --locked --workspace --profile "$PROFILE" --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json, sys
-for line in sys.stdin:
+BUILD_JSON=$(mktemp)
+RUN_BINS=$(mktemp -d "$LANE_STATE/bin.XXXXXX")
+trap 'rm -rf "$RUN_BINS" "$BUILD_JSON"' EXIT
+cargo test --locked --workspace --profile "$PROFILE" --no-run --message-format=json-render-diagnostics >"$BUILD_JSON"
+# The VMs run copies, taken right after the build, of binaries built from this checkout. In a
+# target directory shared by several checkouts every checkout writes the same files (cargo hashes
+# a workspace member by its path relative to the workspace), and another checkout's cargo, even
+# with nothing to build, links its own binary to target/<profile>/pillar-agent the moment it gets
+# the lock (seen: a controller that died with SIGSEGV at start; binaries of another checkout's
+# code). So each binary is taken from the first of: cargo's path for it, then the files of that
+# crate under deps/ (newest first, test harnesses left out) whose debug information names this
+# checkout's directory (rustc records its working directory, the workspace root).
+python3 - "$BUILD_JSON" "$PROJECT_DIR" "$RUN_BINS" <<'PY' || die "cannot find this checkout's pillar-agent, pillar-csi and kernel_lane test binaries after the build"
+import glob, json, os, shutil, sys
+
+build, project, out = sys.argv[1:4]
+needle = project.encode() + b"\0"
+harnesses, paths = set(), {}
+for line in open(build):
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kernel_lane" and m.get("executable"):
-        print(m["executable"])' | tail -n 1)
-[[ -n $TEST_BIN && -x $TEST_BIN ]] || die "cannot find the kernel_lane test binary"
-BIN_DIR=$(dirname "$(dirname "$TEST_BIN")")
-export PILLAR_AGENT_BIN=$BIN_DIR/pillar-agent PILLAR_CSI_BIN=$BIN_DIR/pillar-csi
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    name, test = m["target"]["name"], m["profile"]["test"]
+    if name == "kernel_lane" and test:
+        paths[name] = m["executable"]
+    elif name in ("pillar-agent", "pillar-csi") and "bin" in m["target"]["kind"] and not test:
+        paths[name] = m["executable"]
+    elif test:
+        harnesses.add(m["executable"])
+
+def ours(path):
+    with open(path, "rb") as f:
+        return needle in f.read()
+
+ok = True
+for name in ("kernel_lane", "pillar-agent", "pillar-csi"):
+    if name not in paths:
+        print(f"run.sh: the build reported no {name} binary", file=sys.stderr)
+        ok = False
+        continue
+    deps = os.path.join(os.path.dirname(paths[name]).removesuffix("/deps"), "deps")
+    found = sorted(
+        (p for p in glob.glob(os.path.join(deps, name.replace("-", "_") + "-*"))
+         if os.path.splitext(p)[1] == "" and os.access(p, os.X_OK) and p not in harnesses),
+        key=os.path.getmtime, reverse=True)
+    for p in [paths[name]] + [p for p in found if p != paths[name]]:
+        if ours(p):
+            dst = os.path.join(out, "kernel_lane" if name == "kernel_lane" else name)
+            shutil.copy2(p, dst)
+            if not ours(dst):  # replaced between the check and the copy
+                continue
+            if p != paths[name]:
+                print(f"run.sh: {paths[name]} is another checkout's build; using {p}", file=sys.stderr)
+            break
+    else:
+        print(f"run.sh: no {name} binary built from {project} in {deps}", file=sys.stderr)
+        ok = False
+sys.exit(0 if ok else 1)
+PY
+TEST_BIN=$RUN_BINS/kernel_lane
+export PILLAR_AGENT_BIN=$RUN_BINS/pillar-agent PILLAR_CSI_BIN=$RUN_BINS/pillar-csi
 VM_PASS_ENV="$VM_PASS_ENV PILLAR_AGENT_BIN PILLAR_CSI_BIN"
-for b in "$PILLAR_AGENT_BIN" "$PILLAR_CSI_BIN"; do [[ -x $b ]] || die "missing $b"; done
 T_BUILD=$(secs_since "$t")
-log "test binary: $TEST_BIN"
+log "test binary: $TEST_BIN (copies of the build's binaries in $RUN_BINS)"
 
 # The scenarios this run must report, as the guest's libtest selects them: the same binary and
 # arguments, listed on the host (listing runs no test). The result line names a scenario by its
