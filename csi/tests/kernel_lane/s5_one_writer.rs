@@ -115,7 +115,7 @@ async fn s5_one_writer() {
             .arg(&snapshot),
     );
     let late = pattern(0x5_1A7E, 256 * 1024);
-    let mut probe = WriteProbe::start(&sa.target.join("after-unpublish.bin"), &late);
+    let mut probe = WriteProbe::start(&sa.target.join("after-unpublish.bin"), &late, true);
     let outcome = probe.outcome(Duration::from_secs(5));
     println!("  write + fsync by host A after its unpublish: {outcome}");
     assert!(

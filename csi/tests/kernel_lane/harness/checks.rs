@@ -201,23 +201,25 @@ pub(crate) async fn volume_stats(
     }
 }
 
-/// A write of some data at offset 0 of a path (a block device, or a file it creates) + fsync,
-/// running in a thread of its own: a write that cannot reach the target may block (the host
-/// keeps reconnecting) or fail.
+/// A write of some data at offset 0 of a path + fsync, running in a thread of its own: a write
+/// that cannot reach the target may block (the host keeps reconnecting) or fail. A block device
+/// is opened as it is, never created: on kernels that drop a refused controller its device
+/// node goes, and creating the path would write a regular file on devtmpfs (seen: a "write by
+/// the revoked host" that succeeded that way on 7.2). A new file on a filesystem is created
+/// (and must not exist).
 pub(crate) struct WriteProbe {
     rx: std::sync::mpsc::Receiver<std::io::Result<()>>,
     outcome: Option<String>,
 }
 
 impl WriteProbe {
-    pub(crate) fn start(path: &Path, data: &[u8]) -> Self {
+    pub(crate) fn start(path: &Path, data: &[u8], new_file: bool) -> Self {
         let (tx, rx) = std::sync::mpsc::channel();
         let (path, data) = (path.to_owned(), data.to_owned());
         std::thread::spawn(move || {
             let r = OpenOptions::new()
                 .write(true)
-                .create(!path.exists())
-                .truncate(false)
+                .create_new(new_file)
                 .open(&path)
                 .and_then(|mut f| f.write_all(&data).and_then(|()| f.sync_all()));
             let _ = tx.send(r);
@@ -241,10 +243,10 @@ impl WriteProbe {
     }
 }
 
-/// [`WriteProbe`] asked once: the thread of a blocked write is left to finish when the
-/// controller is deleted at cleanup.
-pub(crate) fn blocked_write_probe(path: &Path, data: &[u8], timeout: Duration) -> String {
-    WriteProbe::start(path, data).outcome(timeout)
+/// [`WriteProbe`] on block device `dev`, asked once: the thread of a blocked write is left to
+/// finish when the controller is deleted at cleanup.
+pub(crate) fn blocked_write_probe(dev: &Path, data: &[u8], timeout: Duration) -> String {
+    WriteProbe::start(dev, data, false).outcome(timeout)
 }
 
 pub(crate) fn check_configfs_export_exists(volume: &str) {
