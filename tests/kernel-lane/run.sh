@@ -54,7 +54,7 @@ cd "$PROJECT_DIR"
 if [[ ${KERNEL_LANE_SKIP_SETUP:-0} != 1 ]]; then
   t=$EPOCHREALTIME
   KERNEL_LANE_KERNELS="${KERNELS[*]}" "$LANE_DIR/setup.sh"
-  T_SETUP=$(secs_since "$t")
+  T_SETUP=$(secs_since "$t")s
 else
   T_SETUP=skipped
 fi
@@ -192,7 +192,7 @@ for k in "${KERNELS[@]}"; do
   printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "(whole VM: boot, modules, scenarios)" "rc=${RC[$k]}" "${VM_TIME[$k]}"
   unset COUNT RES SEC
 done
-echo "setup ${T_SETUP}s, build ${T_BUILD}s, total $(secs_since "$T_START")s"
+echo "setup ${T_SETUP}, build ${T_BUILD}s, total $(secs_since "$T_START")s"
 for k in "${KERNELS[@]}"; do echo "console log $k: ${LOGS[$k]}"; done
 if ((${#problems[@]} > 0)); then
   printf '  %s\n' "${problems[@]}"
