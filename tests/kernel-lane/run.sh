@@ -66,6 +66,7 @@ t=$EPOCHREALTIME
 # features (a `-p` build would resolve features differently and rebuild the dependencies).
 log "cargo test --workspace --no-run (profile $PROFILE): the kernel_lane test, pillar-agent, pillar-csi"
 BUILD_JSON=$(mktemp)
+mkdir -p "$LANE_STATE"
 RUN_BINS=$(mktemp -d "$LANE_STATE/bin.XXXXXX")
 trap 'rm -rf "$RUN_BINS" "$BUILD_JSON"' EXIT
 cargo test --locked --workspace --profile "$PROFILE" --no-run --message-format=json-render-diagnostics >"$BUILD_JSON"
