@@ -9,7 +9,8 @@
 # harness takes an existing build (see xfstests/README.md for how to make one).
 #
 # Without XFSTESTS_DIR, or when it is not a built xfstests tree (no ./check, no ltp/fsstress), it
-# prints `skipped: no xfstests build` and exits 0. A skip tests nothing: it is not a pass.
+# prints `skipped: no xfstests build` and exits 77 (EXIT_SKIP), never 0: a skip tests nothing and
+# is not a pass. A caller that accepts a skip must test for exactly 77 (.ci/run does).
 #
 # 1. cargo test --workspace --no-run (the workspace test build also builds pillar-csi and
 #    pillarctl, with the features the other scripts use: one build for all)
@@ -17,7 +18,10 @@
 # 3. tests/kernel-lane/vm.sh KERNEL tests/kernel-lane/guest/xfstests.sh ... (the guest provisions,
 #    attaches, runs ./check, detaches, deletes)
 # 4. per-test table (expected, got, seconds); exit 1 when any result differs from the expected
-#    file or the guest harness failed
+#    file or the guest harness failed, 0 when every result matches
+#
+# Exit codes: 0 all results as expected; 77 skipped (no xfstests build, nothing ran); 1 a result
+# differs or the harness failed; 2 usage.
 #
 # Env:
 #   XFSTESTS_DIR        the built xfstests tree (required to run anything)
@@ -48,11 +52,14 @@ LIST_FILE=$HARNESS_DIR/$LIST.list
 [[ -f $LIST_FILE ]] || die "missing $LIST_FILE"
 
 # ---------------------------------------------------------------- 0. is there an xfstests build?
+# The exit code of a skip (automake's "skipped" convention): distinct from a pass and a failure.
+EXIT_SKIP=77
 skip() {
   echo "skipped: no xfstests build ($1)"
   echo "Nothing was tested: a skip is not a pass. Build xfstests from its public source and set"
   echo "XFSTESTS_DIR to the built tree (see xfstests/README.md)."
-  exit 0
+  echo "XFSTESTS: SKIPPED (exit code $EXIT_SKIP)"
+  exit "$EXIT_SKIP"
 }
 [[ -n ${XFSTESTS_DIR:-} ]] || skip "XFSTESTS_DIR is not set"
 [[ -d $XFSTESTS_DIR ]] || skip "XFSTESTS_DIR=$XFSTESTS_DIR is not a directory"

@@ -4,18 +4,24 @@
 #   tests/kernel-lane/run.sh [LIBTEST FILTER...]
 #
 # 1. setup.sh: host packages, the Debian kernels (downloaded and unpacked, never installed)
-# 2. cargo: pillar-agent, pillar-csi and the test binary of csi/tests/kernel_lane/
+# 2. cargo: pillar-agent, pillar-csi and the test binary of csi/tests/kernel_lane/; the scenarios
+#    the filter selects are listed on the host (`--list`, nothing runs there)
 # 3. for each kernel (bookworm's 6.1, then sid's newest): boot it under qemu and run the
 #    scenarios there (guest/pillar.sh), against the real nvmet target and NVMe/TCP host
-# 4. a table of per-scenario times and results; exit code 0 only when every scenario passed on
-#    every kernel
+# 4. a table of per-scenario times and results; exit code 0 only when, on every kernel, every
+#    listed scenario printed exactly one result line and it is PASS, no other scenario reported,
+#    nothing printed `SKIP:` and the VM's exit code is 0
 #
 # Arguments are passed to the test binary (libtest), e.g. `run.sh s3_` runs scenario 3 only.
+# A filter that selects no scenario, or an empty kernel list, is a failure (nothing would be
+# tested).
 #
 # Env:
-#   KERNEL_LANE_KERNELS   kernel labels to run (default "bookworm sid")
+#   KERNEL_LANE_KERNELS   kernel labels to run (default "bookworm sid"; set but empty: failure)
 #   KERNEL_LANE_PROFILE   cargo profile: dev (default) or release
 #   KERNEL_LANE_SKIP_SETUP=1  do not run setup.sh (the kernels must be prepared)
+#   KERNEL_LANE_GUEST_SCRIPT  guest script (default guest/pillar.sh); only to check the lane's
+#                         own verdict (a script that reports no scenario must fail the lane)
 #   PILLAR_LANE_ENGINE    agent engine in the guest: io_uring (default) or sync
 #   VM_MEM, VM_TIMEOUT, ... as for vm.sh (defaults here: VM_MEM 1024, VM_TIMEOUT 600)
 set -euo pipefail
@@ -25,7 +31,15 @@ LOG_TAG=lane
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-read -r -a KERNELS <<<"${KERNEL_LANE_KERNELS:-bookworm sid}"
+# `-`, not `:-`: a list set but empty is an error, not the default.
+read -r -a KERNELS <<<"${KERNEL_LANE_KERNELS-bookworm sid}"
+((${#KERNELS[@]} > 0)) || die "KERNEL_LANE_KERNELS is empty: no kernel to run the scenarios on (KERNEL LANE: FAILED)"
+declare -A SEEN_KERNEL=()
+for k in "${KERNELS[@]}"; do
+  [[ -z ${SEEN_KERNEL[$k]:-} ]] || die "kernel $k is listed twice in KERNEL_LANE_KERNELS (KERNEL LANE: FAILED)"
+  SEEN_KERNEL[$k]=1
+done
+GUEST_SCRIPT=${KERNEL_LANE_GUEST_SCRIPT:-$LANE_DIR/guest/pillar.sh}
 PROFILE=${KERNEL_LANE_PROFILE:-dev}
 export VM_MEM=${VM_MEM:-1024}
 export VM_TIMEOUT=${VM_TIMEOUT:-600}
@@ -40,7 +54,7 @@ cd "$PROJECT_DIR"
 if [[ ${KERNEL_LANE_SKIP_SETUP:-0} != 1 ]]; then
   t=$EPOCHREALTIME
   KERNEL_LANE_KERNELS="${KERNELS[*]}" "$LANE_DIR/setup.sh"
-  T_SETUP=$(secs_since "$t")
+  T_SETUP=$(secs_since "$t")s
 else
   T_SETUP=skipped
 fi
@@ -51,64 +65,107 @@ t=$EPOCHREALTIME
 # is already built: the test builds also build pillar-agent and pillar-csi, with the same
 # features (a `-p` build would resolve features differently and rebuild the dependencies).
 log "cargo test --workspace --no-run (profile $PROFILE): the kernel_lane test, pillar-agent, pillar-csi"
-cargo test --locked --workspace --profile "$PROFILE" --no-run
-TEST_BIN=$(cargo test --locked --workspace --profile "$PROFILE" --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json, sys
-for line in sys.stdin:
+BUILD_JSON=$(mktemp)
+mkdir -p "$LANE_STATE"
+RUN_BINS=$(mktemp -d "$LANE_STATE/bin.XXXXXX")
+trap 'rm -rf "$RUN_BINS" "$BUILD_JSON"' EXIT
+cargo test --locked --workspace --profile "$PROFILE" --no-run --message-format=json-render-diagnostics >"$BUILD_JSON"
+# The VMs run copies of the binaries this build reported, taken right after it: nothing that
+# later rebuilds the target directory can change what a running VM executes.
+python3 - "$BUILD_JSON" "$RUN_BINS" <<'PY' || die "the build did not report the pillar-agent, pillar-csi and kernel_lane binaries"
+import json, shutil, sys
+
+build, out = sys.argv[1:3]
+paths = {}
+for line in open(build):
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kernel_lane" and m.get("executable"):
-        print(m["executable"])' | tail -n 1)
-[[ -n $TEST_BIN && -x $TEST_BIN ]] || die "cannot find the kernel_lane test binary"
-BIN_DIR=$(dirname "$(dirname "$TEST_BIN")")
-export PILLAR_AGENT_BIN=$BIN_DIR/pillar-agent PILLAR_CSI_BIN=$BIN_DIR/pillar-csi
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    name, test = m["target"]["name"], m["profile"]["test"]
+    if name == "kernel_lane" and test:
+        paths[name] = m["executable"]
+    elif name in ("pillar-agent", "pillar-csi") and "bin" in m["target"]["kind"] and not test:
+        paths[name] = m["executable"]
+missing = [n for n in ("kernel_lane", "pillar-agent", "pillar-csi") if n not in paths]
+for n in missing:
+    print(f"run.sh: the build reported no {n} binary", file=sys.stderr)
+for name, path in paths.items():
+    shutil.copy2(path, f"{out}/{name}")
+sys.exit(1 if missing else 0)
+PY
+TEST_BIN=$RUN_BINS/kernel_lane
+export PILLAR_AGENT_BIN=$RUN_BINS/pillar-agent PILLAR_CSI_BIN=$RUN_BINS/pillar-csi
 VM_PASS_ENV="$VM_PASS_ENV PILLAR_AGENT_BIN PILLAR_CSI_BIN"
-for b in "$PILLAR_AGENT_BIN" "$PILLAR_CSI_BIN"; do [[ -x $b ]] || die "missing $b"; done
 T_BUILD=$(secs_since "$t")
-log "test binary: $TEST_BIN"
+log "test binary: $TEST_BIN (copies of the build's binaries in $RUN_BINS)"
+
+# The scenarios this run must report, as the guest's libtest selects them: the same binary and
+# arguments, listed on the host (listing runs no test). The result line names a scenario by its
+# function name, the last part of the libtest path.
+listing=$("$TEST_BIN" --list --include-ignored "$@") || die "cannot list the scenarios (libtest arguments: $*)"
+mapfile -t EXPECTED < <(sed -n 's/^\(.*\): test$/\1/p' <<<"$listing" | sed 's/.*:://' | sort -u)
+((${#EXPECTED[@]} > 0)) || die "no scenario matches the libtest arguments '$*': nothing would be tested (KERNEL LANE: FAILED)"
+log "scenarios to run on each of ${KERNELS[*]}: ${EXPECTED[*]}"
 
 # ---------------------------------------------------------------- 3. kernels
 declare -A RC VM_TIME LOGS
-failed=0
 for k in "${KERNELS[@]}"; do
   log "=== kernel $k"
   logfile=$LANE_STATE/logs/pillar-$k-$(date +%Y%m%d-%H%M%S).log
   LOGS[$k]=$logfile
   t=$EPOCHREALTIME
   set +e
-  VM_LOG=$logfile "$LANE_DIR/vm.sh" "$k" "$LANE_DIR/guest/pillar.sh" "$TEST_BIN" "$@"
+  VM_LOG=$logfile "$LANE_DIR/vm.sh" "$k" "$GUEST_SCRIPT" "$TEST_BIN" "$@"
   rc=$?
   set -e
   RC[$k]=$rc
   VM_TIME[$k]=$(secs_since "$t")
-  ((rc == 0)) || failed=1
 done
 
 # ---------------------------------------------------------------- 4. summary
+# Per kernel: every listed scenario has exactly one result line and it says PASS; no result line
+# for a scenario that was not listed; no `SKIP:` anywhere in the console (libtest prints
+# `test NAME ... ` without a newline before the scenario's own output, so a skip is mid-line);
+# the VM's exit code is 0.
 echo
 echo "== kernel lane summary"
-printf '%-10s %-24s %-44s %-6s %9s\n' kernel version scenario result seconds
+printf '%-10s %-24s %-44s %-8s %9s\n' kernel version scenario result seconds
+problems=()
 for k in "${KERNELS[@]}"; do
   kver=$(resolve_kernel "$k" || echo "?")
-  found=0
+  declare -A COUNT=() RES=() SEC=()
   while read -r line; do
-    found=1
+    [[ -n $line ]] || continue
     scen=$(sed -n 's/.*scenario=\([^ ]*\).*/\1/p' <<<"$line")
-    res=$(sed -n 's/.*result=\([^ ]*\).*/\1/p' <<<"$line")
-    sec=$(sed -n 's/.*seconds=\([^ ]*\).*/\1/p' <<<"$line")
-    printf '%-10s %-24s %-44s %-6s %9s\n' "$k" "$kver" "$scen" "$res" "$sec"
+    COUNT[$scen]=$((${COUNT[$scen]:-0} + 1))
+    RES[$scen]=$(sed -n 's/.*result=\([^ ]*\).*/\1/p' <<<"$line")
+    SEC[$scen]=$(sed -n 's/.*seconds=\([^ ]*\).*/\1/p' <<<"$line")
   done < <(grep -a -o 'KERNEL-LANE-RESULT .*' "${LOGS[$k]}" | tr -d '\r' || true)
-  ((found)) || printf '%-10s %-24s %-44s %-6s %9s\n' "$k" "$kver" "(no scenario result)" "-" "-"
-  skips=$(grep -a -c '^SKIP:' "${LOGS[$k]}" || true)
-  if ((skips > 0)); then
-    echo "$k: $skips scenario(s) printed SKIP inside the VM: that is a failure of the lane"
-    failed=1
-  fi
-  printf '%-10s %-24s %-44s %-6s %9s\n' "$k" "$kver" "(whole VM: boot, modules, scenarios)" "rc=${RC[$k]}" "${VM_TIME[$k]}"
+  for scen in "${EXPECTED[@]}"; do
+    n=${COUNT[$scen]:-0}
+    if ((n == 0)); then
+      printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "$scen" "MISSING" "-"
+      problems+=("$k: $scen printed no result line")
+      continue
+    fi
+    printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "$scen" "${RES[$scen]}" "${SEC[$scen]}"
+    ((n == 1)) || problems+=("$k: $scen printed $n result lines")
+    [[ ${RES[$scen]} == PASS ]] || problems+=("$k: $scen result ${RES[$scen]}")
+  done
+  for scen in "${!COUNT[@]}"; do
+    [[ " ${EXPECTED[*]} " == *" $scen "* ]] || problems+=("$k: $scen reported a result but was not listed")
+  done
+  skips=$(grep -a -c 'SKIP:' "${LOGS[$k]}" || true)
+  ((skips == 0)) || problems+=("$k: $skips line(s) with SKIP: in the console: a skipped scenario tested nothing")
+  [[ ${RC[$k]} == 0 ]] || problems+=("$k: VM exit code ${RC[$k]}")
+  printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "(whole VM: boot, modules, scenarios)" "rc=${RC[$k]}" "${VM_TIME[$k]}"
+  unset COUNT RES SEC
 done
-echo "setup ${T_SETUP}s, build ${T_BUILD}s, total $(secs_since "$T_START")s"
+echo "setup ${T_SETUP}, build ${T_BUILD}s, total $(secs_since "$T_START")s"
 for k in "${KERNELS[@]}"; do echo "console log $k: ${LOGS[$k]}"; done
-if ((failed)); then
+if ((${#problems[@]} > 0)); then
+  printf '  %s\n' "${problems[@]}"
   echo "KERNEL LANE: FAILED"
   exit 1
 fi
-echo "KERNEL LANE: PASSED"
+echo "KERNEL LANE: PASSED (${#EXPECTED[@]} scenario(s) x ${#KERNELS[@]} kernel(s))"

@@ -26,8 +26,11 @@
 //!    exports until the controller resyncs): the host reconnects by itself, data intact
 //! 4. control: the same reboot with kernel-random identity breaks the filesystem
 //! 5. one writer: a second host identity cannot connect while the volume is published RWO to
-//!    the first (acl), and can after unpublish + publish
-//! 6. a stale revoke (older generation after a newer grant) is rejected; the grant stays
+//!    the first (acl); ControllerUnpublish while the first host is connected cuts it off (W7:
+//!    its writes fail or block, the backing file is unchanged); after publish to the second, it
+//!    connects and reads the data
+//! 6. a stale revoke (older generation after a newer grant) is rejected; the grant stays; the
+//!    current revoke cuts the host off and its write never reaches the backing file
 //! 7. online expansion (host sees the new size, filesystem grows) and volume stats
 //! 8. the LVM backends (linear and thin) on device-mapper: extent rounding, the `pillar` tag,
 //!    export of the LV, I/O, online expansion, shrink refused, delete; foreign LVs untouched

@@ -9,6 +9,7 @@ use pillar_nvmet::derive_serial;
 use crate::harness::checks::{check_configfs_export, host_controllers};
 use crate::harness::data::DataSet;
 use crate::harness::gate::{Scenario, in_lane};
+use crate::harness::kmsg::needles::IDENTIFIERS_CHANGED;
 use crate::harness::lab::{Lab, nqn_of};
 use crate::harness::machine::{entries, read_attr};
 use crate::harness::{MIB, NVMET};
@@ -118,6 +119,6 @@ async fn s1_provision_publish_stage_io() {
         entries(&Path::new(NVMET).join("ports")).is_empty(),
         "an unreferenced port is left"
     );
-    lab.kmsg.expect_absent(k0, "identifiers changed");
+    lab.kmsg.expect_absent(k0, IDENTIFIERS_CHANGED);
     sc.step("DeleteVolume: configfs empty");
 }

@@ -3,7 +3,9 @@
 use std::fs;
 use std::time::Duration;
 
+use pillar_agent::fence::{Mark, decode};
 use pillar_agent_api::v1 as agent_api;
+use pillar_nvmet::VolumeId;
 
 use crate::harness::MIB;
 use crate::harness::checks::{
@@ -11,6 +13,7 @@ use crate::harness::checks::{
 };
 use crate::harness::data::{DataSet, Writer};
 use crate::harness::gate::{Scenario, in_lane};
+use crate::harness::kmsg::needles::IDENTIFIERS_CHANGED;
 use crate::harness::lab::Lab;
 
 /// Scenario 2: the agent is killed (SIGKILL) and restarted with its state directory kept.
@@ -34,8 +37,8 @@ async fn s2_agent_restart_keeps_identity() {
     let data = DataSet::write(&s.target, "before", 4, 256 * 1024);
     let identity_before = configfs_identity(vol);
     let ctrl_before = host_controllers(vol, &node.host_nqn);
-    let mark = lab.agent_state().join(format!("generations/{vol}.json"));
-    let mark_before = fs::read(&mark).expect("fencing mark exists");
+    let mark_before = read_mark(&lab, vol);
+    println!("  fencing mark before the restart: {mark_before:?}");
     sc.step("volume staged, data written");
 
     let mut writer = Writer::start(&s.target.join("stream.bin"));
@@ -105,17 +108,36 @@ async fn s2_agent_restart_keeps_identity() {
         (s.device.name.as_str(), s.device.devnum),
         "same block device"
     );
-    lab.kmsg.expect_absent(k0, "identifiers changed");
-    lab.kmsg.expect_absent(k1, "Reconnecting");
-    lab.kmsg.expect_absent(k1, "Removing ctrl");
-    let mark_after = fs::read(&mark).expect("fencing mark kept");
-    assert_ne!(
-        mark_after, mark_before,
-        "the resync's token moved the mark forward"
+    lab.kmsg.expect_absent(k0, IDENTIFIERS_CHANGED);
+    lab.kmsg.expect_absent(k1, &["Reconnecting"]);
+    lab.kmsg.expect_absent(k1, &["Removing ctrl"]);
+    // The resync's token is newer than every token applied before the restart: the mark (decoded
+    // and verified with the agent's own format) has the same owner and a greater generation.
+    let mark_after = read_mark(&lab, vol);
+    println!("  fencing mark after the resync: {mark_after:?}");
+    assert_eq!(
+        mark_after.owner_uid, mark_before.owner_uid,
+        "the mark's owner lifecycle is unchanged"
+    );
+    assert!(!mark_after.ended, "the lifecycle has not ended");
+    assert!(
+        mark_after.generation > mark_before.generation,
+        "the resync's token moved the mark's generation forward: {} -> {}",
+        mark_before.generation,
+        mark_after.generation
     );
     sc.step("identity, controller and device unchanged; the connection never dropped");
 
     lab.detach(&mut ctl, &mut node, &s).await;
     lab.delete_volume(&mut ctl, vol).await;
     sc.step("the restarted agent serves the teardown");
+}
+
+/// The agent's fencing mark of `volume`, decoded (format and checksum verified) as the agent
+/// reads it.
+fn read_mark(lab: &Lab, volume: &str) -> Mark {
+    let path = lab.agent_state().join(format!("generations/{volume}.json"));
+    let bytes = fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    decode(&VolumeId::parse(volume).expect("volume id"), &bytes)
+        .unwrap_or_else(|e| panic!("fencing mark {}: {e}", path.display()))
 }

@@ -11,6 +11,7 @@ use crate::harness::MIB;
 use crate::harness::checks::{configfs_identity, host_controllers, volume_stats};
 use crate::harness::data::{DataSet, Writer, pattern};
 use crate::harness::gate::{Scenario, in_lane};
+use crate::harness::kmsg::needles::{IDENTIFIERS_CHANGED, fs_failure};
 use crate::harness::lab::{Lab, host_paths, identity_of, nqn_of};
 use crate::harness::machine::drop_caches;
 use crate::reboot::storage_reboot;
@@ -54,11 +55,9 @@ async fn s4_control_random_identity_breaks_fs() {
         uuid, identity_before.0,
         "the kernel-random switch must leave a new UUID"
     );
-    let line = lab.kmsg.expect(
-        r.cut,
-        &["identifiers changed for nsid"],
-        Duration::from_secs(60),
-    );
+    let line = lab
+        .kmsg
+        .expect(r.cut, IDENTIFIERS_CHANGED, Duration::from_secs(60));
     sc.step(&format!("kernel: {line}"));
 
     let w = writer.finish(Duration::from_secs(30));
@@ -89,10 +88,10 @@ async fn s4_control_random_identity_breaks_fs() {
             .all(|d| d.name != s.device.name || d.uuid != Some(identity_of(vol).uuid)),
         "the old namespace is still there: {gone:?}"
     );
+    // The same needles scenario 3 requires to be absent across its reboot.
     let fs_line = lab
         .kmsg
-        .find(r.cut, &["EXT4-fs", s.device.name.as_str()])
-        .or_else(|| lab.kmsg.find(r.cut, &["I/O error", s.device.name.as_str()]));
+        .find_any(r.cut, &fs_failure(s.device.name.as_str()));
     println!("  kernel log on the filesystem: {fs_line:?}");
     assert!(
         fs_line.is_some(),

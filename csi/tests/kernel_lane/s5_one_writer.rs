@@ -1,14 +1,23 @@
 //! Scenario 5: one writer (acl) between two host identities.
 
+use std::fs::{self, File};
+use std::io::Read;
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
+
+use pillar_csi::csi;
 
 use tonic::Code;
 
 use crate::harness::MIB;
-use crate::harness::checks::{check_configfs_export, connect_opts, host_controllers};
-use crate::harness::data::DataSet;
+use crate::harness::checks::{
+    WriteProbe, check_configfs_export, connect_opts, delete_host_controllers, host_controllers,
+};
+use crate::harness::data::{DataSet, pattern};
 use crate::harness::gate::{Scenario, in_lane};
-use crate::harness::lab::{Lab, host_paths};
+use crate::harness::kmsg::needles::not_allowed;
+use crate::harness::lab::{Lab, NodePlugin, Staged, host_paths, nqn_of};
 
 /// Scenario 5: one writer. With `acl: true` a second host identity in the same guest cannot
 /// publish or connect while the volume is published RWO to the first; after unpublish from the
@@ -53,11 +62,8 @@ async fn s5_one_writer() {
         direct.is_err(),
         "host B connected to a volume published RWO to node-a"
     );
-    lab.kmsg.expect(
-        k1,
-        &["connect by host", b.host_nqn.as_str(), "not allowed"],
-        Duration::from_secs(5),
-    );
+    let refused_b = not_allowed(&b.host_nqn, &nqn_of(vol));
+    lab.kmsg.expect(k1, &refused_b, Duration::from_secs(5));
     let staged_b = lab.stage(&mut b, vol, &sa.publish_context).await;
     assert!(
         staged_b.is_err(),
@@ -73,16 +79,81 @@ async fn s5_one_writer() {
             .is_none()
     );
     assert!(
-        lab.kmsg.count(k1, "not allowed") >= 2,
-        "the target refused both connects"
+        lab.kmsg.count(k1, &refused_b) >= 2,
+        "the target refused both connects of host B to this subsystem"
     );
     sc.step(
         "host B (second hostnqn/hostid) refused by the target: direct connect and NodeStage fail",
     );
 
-    lab.detach(&mut ctl, &mut a, &sa).await;
+    // W7: ControllerUnpublish from node-a while its host is still connected, the volume staged
+    // and mounted (a force-detach: kubelet has not unstaged). The controller's revoke must cut
+    // the live connection, not only keep new ones out.
+    let nqn = nqn_of(vol);
+    let k_cut = lab.kmsg.mark();
+    lab.unpublish(&mut ctl, &a, &sa).await;
     check_configfs_export(vol, &[]);
-    sc.step("unpublished from node-a");
+    lab.kmsg.expect(
+        k_cut,
+        &not_allowed(&a.host_nqn, &nqn),
+        Duration::from_secs(15),
+    );
+    let ctrls = host_controllers(vol, &a.host_nqn);
+    assert!(
+        ctrls.iter().all(|c| c.state.as_str() != "live"),
+        "host A still has a live controller after ControllerUnpublish: {ctrls:?}"
+    );
+    sc.step("ControllerUnpublish from node-a while its host is connected: connection cut, reconnect refused by the target");
+
+    // The backing file as it is now; then host A writes a new file through its pod path.
+    let backing = lab.dir.join(format!("pool/{vol}.img"));
+    let snapshot = lab.dir.join("backing-after-cut.img");
+    run_ok(
+        Command::new("cp")
+            .arg("--sparse=always")
+            .arg(&backing)
+            .arg(&snapshot),
+    );
+    let late = pattern(0x5_1A7E, 256 * 1024);
+    let mut probe = WriteProbe::start(&sa.target.join("after-unpublish.bin"), &late, true);
+    let outcome = probe.outcome(Duration::from_secs(5));
+    println!("  write + fsync by host A after its unpublish: {outcome}");
+    assert!(
+        !outcome.starts_with("SUCCEEDED"),
+        "host A wrote after its unpublish: {outcome}"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let same = Command::new("cmp")
+        .arg("-s")
+        .arg(&backing)
+        .arg(&snapshot)
+        .status()
+        .expect("run cmp");
+    assert!(
+        same.success(),
+        "the backing file changed after host A was cut off (cmp: {same})"
+    );
+    assert!(
+        !file_has_block(&backing, &late[..4096]),
+        "host A's late write is in the backing file"
+    );
+    fs::remove_file(&snapshot).unwrap();
+    sc.step("host A's write after the cut failed or blocked; the backing file is unchanged");
+
+    // Kubelet's teardown of the fenced volume on node-a. On 6.1 the host keeps reconnecting
+    // (refused) until ctrl_loss_tmo with the write held; deleting its controller, as the host
+    // does by itself on newer kernels after the refusal, fails the held I/O so that the
+    // unmount does not wait for ctrl_loss_tmo.
+    delete_host_controllers(vol, &a.host_nqn);
+    let outcome = probe.outcome(Duration::from_secs(20));
+    assert!(
+        outcome.starts_with("FAILED"),
+        "host A's write after its unpublish: {outcome}"
+    );
+    node_teardown(&mut a, &sa).await;
+    sc.step(&format!(
+        "node-a's teardown (NodeUnpublish, NodeUnstage) of the fenced volume works; its write: {outcome}"
+    ));
     let sb = lab.attach(&mut ctl, &mut b, vol).await;
     check_configfs_export(vol, &[&b.host_nqn]);
     data.verify_at(&sa.target, &sb.target);
@@ -94,10 +165,67 @@ async fn s5_one_writer() {
     );
     lab.kmsg.expect(
         k2,
-        &["connect by host", a.host_nqn.as_str(), "not allowed"],
+        &not_allowed(&a.host_nqn, &nqn_of(vol)),
         Duration::from_secs(5),
     );
     sc.step("published to node-b: it connects and reads node-a's data; host A is now refused");
     lab.detach(&mut ctl, &mut b, &sb).await;
     lab.delete_volume(&mut ctl, vol).await;
+}
+
+fn run_ok(cmd: &mut Command) {
+    let st = cmd.status().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(st.success(), "{cmd:?}: {st}");
+}
+
+/// Whether a 4 KiB-aligned block of `path` starts with `block` (file data of ext4 is in 4 KiB
+/// blocks).
+fn file_has_block(path: &Path, block: &[u8]) -> bool {
+    let mut f = File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let mut n = 0;
+        while n < buf.len() {
+            match f.read(&mut buf[n..]).expect("read the backing file") {
+                0 => break,
+                m => n += m,
+            }
+        }
+        if buf[..n].chunks(4096).any(|c| c.starts_with(block)) {
+            return true;
+        }
+        if n < buf.len() {
+            return false;
+        }
+    }
+}
+
+/// NodeUnpublish + NodeUnstage on `node`, each within 60 s.
+async fn node_teardown(node: &mut NodePlugin, s: &Staged) {
+    let limit = Duration::from_secs(60);
+    tokio::time::timeout(
+        limit,
+        node.client
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                volume_id: s.volume.clone(),
+                target_path: s.target.display().to_string(),
+            }),
+    )
+    .await
+    .expect("NodeUnpublishVolume answers")
+    .expect("NodeUnpublishVolume");
+    tokio::time::timeout(
+        limit,
+        node.client
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: s.volume.clone(),
+                staging_target_path: s.staging.display().to_string(),
+            }),
+    )
+    .await
+    .expect("NodeUnstageVolume answers")
+    .expect("NodeUnstageVolume");
+    assert!(pillar_host::find_mount(&s.staging).unwrap().is_none());
+    assert!(pillar_host::find_mount(&s.target).unwrap().is_none());
+    assert!(host_controllers(&s.volume, &node.host_nqn).is_empty());
 }

@@ -4,8 +4,9 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use pillar_agent::fence::decode;
 use pillar_agent_api::v1 as agent_api;
-use pillar_nvmet::HostNqn;
+use pillar_nvmet::{HostNqn, VolumeId};
 use sha2::{Digest, Sha256};
 use tonic::Code;
 
@@ -14,6 +15,7 @@ use crate::harness::checks::{
 };
 use crate::harness::data::pattern;
 use crate::harness::gate::{Scenario, in_lane};
+use crate::harness::kmsg::needles::{IDENTIFIERS_CHANGED, not_allowed};
 use crate::harness::lab::{Lab, host_paths, nqn_of};
 use crate::harness::machine::{drop_caches, nvmet_is_empty};
 use crate::harness::{ETC_HOSTID, ETC_HOSTNQN, MIB, POOL, PORT};
@@ -110,13 +112,15 @@ async fn s6_stale_revoke_rejected() {
         .expect_err("a revoke without a token must be rejected");
     assert_eq!(none.code(), Code::FailedPrecondition);
     check_configfs_export(vol, &[&host]);
-    let mark: serde_json::Value = serde_json::from_slice(
+    let mark = decode(
+        &VolumeId::parse(vol).unwrap(),
         &fs::read(lab.agent_state().join(format!("generations/{vol}.json"))).unwrap(),
     )
-    .unwrap();
-    println!("  fencing mark: {mark}");
+    .expect("the fencing mark decodes");
+    println!("  fencing mark: {mark:?}");
     assert_eq!(
-        mark["mark"]["generation"], 4,
+        (mark.owner_uid.as_str(), mark.generation),
+        (uid, 4),
         "the mark stays at the grant's generation"
     );
     sc.step("stale, foreign and token-less revokes rejected (FAILED_PRECONDITION); grant and port link still in configfs");
@@ -160,13 +164,7 @@ async fn s6_stale_revoke_rejected() {
     let start = Instant::now();
     lab.kmsg.expect(
         k1,
-        &[
-            "connect by host",
-            host.as_str(),
-            "for subsystem",
-            nqn_of(vol).as_str(),
-            "not allowed",
-        ],
+        &not_allowed(&host, &nqn_of(vol)),
         Duration::from_secs(10),
     );
     let refused = start.elapsed();
@@ -178,7 +176,9 @@ async fn s6_stale_revoke_rejected() {
     // W7: the revoked host can no longer do I/O. Kernels with the do-not-retry short cut
     // (measured on 6.12 and 7.2) delete the controller after the first refused reconnect; 6.1
     // keeps reconnecting (refused each time) until ctrl_loss_tmo, holding the I/O back.
-    let probe = blocked_write_probe(&dev.dev_path, Duration::from_secs(5));
+    let probe_data = pattern(99, 4096);
+    assert_ne!(&payload[..4096], &probe_data[..]);
+    let probe = blocked_write_probe(&dev.dev_path, &probe_data, Duration::from_secs(5));
     println!("  write by the revoked host: {probe}");
     assert!(
         !probe.starts_with("SUCCEEDED"),
@@ -205,6 +205,24 @@ async fn s6_stale_revoke_rejected() {
         })
         .await
         .expect("Unexport");
+    // The target side, after the export is gone (no controller of the volume left to write):
+    // the backing file still holds the payload written before the revoke, not the probe's.
+    let backing = lab.dir.join(format!("pool/{vol}.img"));
+    let mut head = vec![0u8; payload.len()];
+    File::open(&backing)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .unwrap_or_else(|e| panic!("read {}: {e}", backing.display()));
+    assert!(
+        head[..4096] != probe_data[..],
+        "the revoked host's write reached the backing file"
+    );
+    assert!(
+        head == payload,
+        "the backing file's first MiB is not the payload written before the revoke"
+    );
+    sc.step(
+        "the backing file still holds the payload at sector 0: the revoked write never reached it",
+    );
     agent
         .delete_volume(agent_api::DeleteVolumeRequest {
             token: token(uid, 7),
@@ -214,5 +232,5 @@ async fn s6_stale_revoke_rejected() {
         .await
         .expect("DeleteVolume");
     assert!(nvmet_is_empty(), "nvmet state left after unexport");
-    lab.kmsg.expect_absent(k0, "identifiers changed");
+    lab.kmsg.expect_absent(k0, IDENTIFIERS_CHANGED);
 }

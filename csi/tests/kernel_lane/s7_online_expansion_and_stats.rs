@@ -11,6 +11,7 @@ use crate::harness::MIB;
 use crate::harness::checks::{check_configfs_export, host_device, statvfs_total};
 use crate::harness::data::{DataSet, verify_big_file, write_big_file};
 use crate::harness::gate::{Scenario, in_lane};
+use crate::harness::kmsg::needles::IDENTIFIERS_CHANGED;
 use crate::harness::lab::{Lab, rwo};
 use crate::harness::machine::read_attr;
 
@@ -181,7 +182,7 @@ async fn s7_online_expansion_and_stats() {
     );
     assert!(a.used > b.available, "stats used shows the big file");
     assert_eq!(host_device(vol, &node.host_nqn).name, s.device.name);
-    lab.kmsg.expect_absent(k0, "identifiers changed");
+    lab.kmsg.expect_absent(k0, IDENTIFIERS_CHANGED);
     sc.step("a file larger than the old free space written and verified; stats show the growth");
 
     lab.detach(&mut ctl, &mut node, &s).await;

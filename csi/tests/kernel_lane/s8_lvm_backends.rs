@@ -14,6 +14,7 @@ use tonic::transport::Channel;
 use crate::harness::checks::{connect_opts, host_controllers, host_device};
 use crate::harness::data::pattern;
 use crate::harness::gate::{Scenario, in_lane};
+use crate::harness::kmsg::needles::IDENTIFIERS_CHANGED;
 use crate::harness::lab::{Lab, host_paths, nqn_of};
 use crate::harness::machine::{drop_caches, nvmet_is_empty, read_attr, write_attr};
 use crate::harness::{ETC_HOSTID, ETC_HOSTNQN, MIB, NVMET, PORT};
@@ -571,7 +572,7 @@ async fn s8_lvm_backends() {
          NOT_FOUND, DeleteVolume FAILED_PRECONDITION; both LVs unchanged; ListVolumes empty",
     );
 
-    lab.kmsg.expect_absent(k0, "identifiers changed");
+    lab.kmsg.expect_absent(k0, IDENTIFIERS_CHANGED);
     lab.agent.as_mut().unwrap().stop();
     vg.teardown()
         .expect("remove the volume group and its loop device");

@@ -11,16 +11,29 @@ use pillar_host::ConnectOptions;
 use pillar_host::sysfs::{NamespaceDevice, controllers_for, namespaces_for_host};
 use pillar_nvmet::{HostNqn, derive_serial};
 
-use crate::harness::data::pattern;
 use crate::harness::lab::{NodePlugin, Staged, host_paths, identity_of, nqn_of};
-use crate::harness::machine::{names, read_attr};
+use crate::harness::machine::{names, read_attr, write_attr};
 use crate::harness::{CTRL_LOSS_TMO, NVMET, PORT, RECONNECT_DELAY};
 
 /// This host's controllers of `volume`'s subsystem.
+///
+/// A bounded retry (2 s): a controller that is being set up, reconnecting or torn down can
+/// answer a read of one of its sysfs attributes with an error (ENODEV) while its directory is
+/// still listed, and the scenarios list controllers exactly then (right after a connect, after
+/// a cut). Such a read says nothing about the volume; a listing that keeps failing does.
 pub(crate) fn host_controllers(volume: &str, host: &HostNqn) -> Vec<pillar_host::ControllerInfo> {
-    controllers_for(&host_paths(), &nqn_of(volume))
-        .unwrap()
-        .into_iter()
+    let start = Instant::now();
+    let all = loop {
+        match controllers_for(&host_paths(), &nqn_of(volume)) {
+            Ok(all) => break all,
+            Err(e) if start.elapsed() < Duration::from_secs(2) => {
+                println!("  listing controllers of {volume}: {e} (retrying)");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!("listing controllers of {volume}: {e}"),
+        }
+    };
+    all.into_iter()
         .filter(|c| c.hostnqn.as_deref() == Some(host.as_str()))
         .collect()
 }
@@ -61,6 +74,32 @@ pub(crate) fn host_device(volume: &str, host: &HostNqn) -> NamespaceDevice {
     assert_eq!(dev.uuid, Some(want.uuid), "namespace UUID in sysfs");
     assert_eq!(dev.nguid, Some(want.nguid), "namespace NGUID in sysfs");
     dev
+}
+
+/// Deletes this host's controllers of `volume` (sysfs `delete_controller`: queued I/O fails) and
+/// waits up to 20 s for them to go.
+pub(crate) fn delete_host_controllers(volume: &str, host: &HostNqn) {
+    for c in host_controllers(volume, host) {
+        let r = write_attr(
+            &Path::new("/sys/class/nvme")
+                .join(&c.name)
+                .join("delete_controller"),
+            "1",
+        );
+        println!(
+            "  delete controller {} ({}): {r:?}",
+            c.name,
+            c.state.as_str()
+        );
+    }
+    let start = Instant::now();
+    while !host_controllers(volume, host).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "controllers of {volume} for {host} left 20 s after delete_controller"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Waits until one of this host's controllers of `volume` is in `state` (sysfs `state`).
@@ -162,24 +201,52 @@ pub(crate) async fn volume_stats(
     }
 }
 
-/// Starts a 4 KiB write + fsync on `dev` in a thread and reports what happened within
-/// `timeout`: "SUCCEEDED", "FAILED: <error>" or "BLOCKED" (still waiting; the thread is left to
-/// finish when the controller is deleted at cleanup).
-pub(crate) fn blocked_write_probe(dev: &Path, timeout: Duration) -> String {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let dev = dev.to_owned();
-    std::thread::spawn(move || {
-        let r = OpenOptions::new()
-            .write(true)
-            .open(&dev)
-            .and_then(|mut f| f.write_all(&pattern(99, 4096)).and_then(|()| f.sync_all()));
-        let _ = tx.send(r);
-    });
-    match rx.recv_timeout(timeout) {
-        Ok(Ok(())) => "SUCCEEDED".into(),
-        Ok(Err(e)) => format!("FAILED: {e}"),
-        Err(_) => format!("BLOCKED for {timeout:?}"),
+/// A write of some data at offset 0 of a path + fsync, running in a thread of its own: a write
+/// that cannot reach the target may block (the host keeps reconnecting) or fail. A block device
+/// is opened as it is, never created: on kernels that drop a refused controller its device
+/// node goes, and creating the path would write a regular file on devtmpfs (seen: a "write by
+/// the revoked host" that succeeded that way on 7.2). A new file on a filesystem is created
+/// (and must not exist).
+pub(crate) struct WriteProbe {
+    rx: std::sync::mpsc::Receiver<std::io::Result<()>>,
+    outcome: Option<String>,
+}
+
+impl WriteProbe {
+    pub(crate) fn start(path: &Path, data: &[u8], new_file: bool) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (path, data) = (path.to_owned(), data.to_owned());
+        std::thread::spawn(move || {
+            let r = OpenOptions::new()
+                .write(true)
+                .create_new(new_file)
+                .open(&path)
+                .and_then(|mut f| f.write_all(&data).and_then(|()| f.sync_all()));
+            let _ = tx.send(r);
+        });
+        Self { rx, outcome: None }
     }
+
+    /// What happened within `timeout` (or earlier): "SUCCEEDED", "FAILED: <error>" or "BLOCKED
+    /// for <timeout>" (still waiting; ask again later).
+    pub(crate) fn outcome(&mut self, timeout: Duration) -> String {
+        if let Some(o) = &self.outcome {
+            return o.clone();
+        }
+        let o = match self.rx.recv_timeout(timeout) {
+            Ok(Ok(())) => "SUCCEEDED".to_owned(),
+            Ok(Err(e)) => format!("FAILED: {e}"),
+            Err(_) => return format!("BLOCKED for {timeout:?}"),
+        };
+        self.outcome = Some(o.clone());
+        o
+    }
+}
+
+/// [`WriteProbe`] on block device `dev`, asked once: the thread of a blocked write is left to
+/// finish when the controller is deleted at cleanup.
+pub(crate) fn blocked_write_probe(dev: &Path, data: &[u8], timeout: Duration) -> String {
+    WriteProbe::start(dev, data, false).outcome(timeout)
 }
 
 pub(crate) fn check_configfs_export_exists(volume: &str) {

@@ -519,6 +519,17 @@ impl Lab {
             "a controller of {} is left after NodeUnstageVolume",
             node.name
         );
+        self.unpublish(ctl, node, s).await;
+        println!("  detached {} from {}", s.volume, node.name);
+    }
+
+    /// ControllerUnpublish of `s` from `node`; the node's host NQN leaves `allowed_hosts`.
+    pub(crate) async fn unpublish(
+        &self,
+        ctl: &mut ControllerClient<Channel>,
+        node: &NodePlugin,
+        s: &Staged,
+    ) {
         ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
             volume_id: s.volume.clone(),
             node_id: s.node_id.clone(),
@@ -536,7 +547,10 @@ impl Lab {
             "{} still in allowed_hosts after ControllerUnpublishVolume",
             node.host_nqn
         );
-        println!("  detached {} from {}", s.volume, node.name);
+        println!(
+            "  ControllerUnpublishVolume {} from {}",
+            s.volume, node.name
+        );
     }
 
     pub(crate) async fn delete_volume(&self, ctl: &mut ControllerClient<Channel>, volume: &str) {
