@@ -195,3 +195,59 @@ async fn a_stalled_delete_never_deletes_a_volume_published_meanwhile() {
         assert_eq!(gone.code(), Code::NotFound);
     }
 }
+
+// proves W8, W4 (found by the deterministic simulation): a publish whose grant meets a
+// restarted agent resyncs it and sends the grant again with a fresh token. While that replica
+// is stalled in the resync, the other one unpublishes the node (its revoke confirmed, its record
+// removed). The retried grant must not re-admit the host: its token is newer than the revoke's,
+// so the agent would take it. The retry's token is taken only while the publication is still
+// recorded and not being revoked, in one compare-and-swap; on the old code the grant landed and
+// host 1 stayed admitted with no record, free to write next to the volume's next owner.
+#[tokio::test]
+async fn a_grant_retried_after_a_resync_never_readmits_a_revoked_host() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        env.client
+            .create_volume(create("w8r", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        env.agent.stop().await;
+        env.agent.restart().await;
+        let (stale, stale_store) = env.replica();
+        let recorded = stale_store.pause_next(VolumeWrite::Status);
+        let stalled =
+            tokio::spawn(async move { stale.publish(publish_as("w8r", "node-1", 1)).await });
+        recorded.reached().await;
+        // The next write of the stale replica is the token its resync takes for the volume.
+        let resyncing = stale_store.pause_next(VolumeWrite::Status);
+        recorded.release();
+        resyncing.reached().await;
+        assert_eq!(
+            records(&env, "w8r").await,
+            vec![("node-1".into(), host(1), false)],
+            "{kind:?}: the publication was recorded before the grant"
+        );
+        // Kubernetes gave up on the attach; the other replica detaches.
+        env.client
+            .controller_unpublish_volume(unpublish_as("w8r", "node-1", 1))
+            .await
+            .unwrap();
+        assert!(records(&env, "w8r").await.is_empty(), "{kind:?}");
+        resyncing.release();
+        let refused = stalled
+            .await
+            .unwrap()
+            .expect_err("the publication was withdrawn during the resync");
+        assert_eq!(
+            pillar_csi::controller::code_of(&refused),
+            Code::Aborted,
+            "{kind:?}: {refused}"
+        );
+        assert!(
+            acl(&env, "w8r").is_empty(),
+            "{kind:?}: a revoked host was admitted again with no record: {:?}",
+            acl(&env, "w8r")
+        );
+        assert!(records(&env, "w8r").await.is_empty(), "{kind:?}");
+    }
+}

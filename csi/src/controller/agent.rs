@@ -9,6 +9,7 @@ use tonic::Status;
 
 use super::Controller;
 use super::error::{ControllerError, agent_err};
+use super::record::Precondition;
 use crate::agents::Client;
 
 /// A volume's agent, as one operation on the volume reaches it: the PillarAgent, a client, and
@@ -60,11 +61,17 @@ impl Controller {
     /// Runs agent call `what` with `token` (a fresh one when `None`). When the agent waits for
     /// a resync, resyncs it and retries once with a fresh token: the resync took newer tokens,
     /// so the first one is stale by then.
+    ///
+    /// A fresh token is taken only while `still` holds of the record, in the same
+    /// compare-and-swap (W8): during the resync another replica may have withdrawn what this
+    /// call was decided on (unpublished the host this grant admits, marked the volume
+    /// deleting), and a retry with a newer token would then overrule that replica's work.
     pub(super) async fn call_agent<T, F, Fut>(
         &self,
         target: &VolumeAgent,
         what: &'static str,
         token: Option<agent_api::FencingToken>,
+        still: &Precondition<'_>,
         mut call: F,
     ) -> Result<T, ControllerError>
     where
@@ -73,7 +80,7 @@ impl Controller {
     {
         let token = match token {
             Some(t) => Some(t),
-            None => self.next_token(&target.name, &target.uid).await?,
+            None => self.next_token_if(&target.name, &target.uid, still).await?,
         };
         let first = call(target.client.clone(), token).await;
         let status = match first {
@@ -83,7 +90,7 @@ impl Controller {
         };
         tracing::info!(volume = %target.name, call = what, "agent waits for a resync: {}", status.message());
         self.resync_agent(&target.agent).await?;
-        let token = self.next_token(&target.name, &target.uid).await?;
+        let token = self.next_token_if(&target.name, &target.uid, still).await?;
         call(target.client.clone(), token)
             .await
             .map(tonic::Response::into_inner)

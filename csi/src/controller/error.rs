@@ -43,6 +43,10 @@ pub enum ControllerError {
     Deleting { volume: String },
     #[error("volume {volume} is still being unpublished from node {node}; retry")]
     Revoking { volume: String, node: String },
+    #[error(
+        "volume {volume}: the publication to node {node} this call acted on was withdrawn while the storage node was being resynced; retry"
+    )]
+    PublicationWithdrawn { volume: String, node: String },
     #[error("volume {volume} is still published to {nodes:?}; unpublish it first")]
     StillPublished { volume: String, nodes: Vec<String> },
     #[error(
@@ -85,6 +89,7 @@ pub fn code_of(err: &ControllerError) -> Code {
         | E::AgentMissing { .. }
         | E::ProtocolMissing(_) => Code::FailedPrecondition,
         E::Revoking { .. }
+        | E::PublicationWithdrawn { .. }
         | E::Deleting { .. }
         | E::LifecycleGone { .. }
         | E::Contention { .. } => Code::Aborted,

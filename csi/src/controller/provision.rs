@@ -19,7 +19,7 @@ use tonic::Status;
 
 use super::agent::{VolumeAgent, export_request};
 use super::error::ControllerError;
-use super::record::{Write, token};
+use super::record::{Write, always, not_deleting, token};
 use super::request::{self, Create, VolumeRef};
 use super::{Controller, params};
 use crate::{context, csi};
@@ -149,15 +149,21 @@ impl Controller {
         let target = self.volume_agent(&state).await?;
         let protocol = self.protocol_of(&state).await?;
         let created = self
-            .call_agent(&target, "CreateVolume", None, |mut c, token| {
-                let r = agent_api::CreateVolumeRequest {
-                    token,
-                    volume_id: name.clone(),
-                    pool: state.spec.pool.clone(),
-                    size_bytes: state.spec.size_bytes,
-                };
-                async move { c.create_volume(r).await }
-            })
+            .call_agent(
+                &target,
+                "CreateVolume",
+                None,
+                &not_deleting,
+                |mut c, token| {
+                    let r = agent_api::CreateVolumeRequest {
+                        token,
+                        volume_id: name.clone(),
+                        pool: state.spec.pool.clone(),
+                        size_bytes: state.spec.size_bytes,
+                    };
+                    async move { c.create_volume(r).await }
+                },
+            )
             .await?;
         if req.size.limit != 0 && created.size_bytes > req.size.limit {
             return Err(ControllerError::OutOfRange(format!(
@@ -187,7 +193,7 @@ impl Controller {
         protocol: &PillarProtocol,
     ) -> Result<agent_api::ExportResponse, ControllerError> {
         let exported = self
-            .call_agent(target, "Export", None, |mut c, token| {
+            .call_agent(target, "Export", None, &not_deleting, |mut c, token| {
                 let store = Arc::clone(&self.store);
                 let (name, uid) = (target.name.clone(), target.uid.clone());
                 let protocol = protocol.clone();
@@ -241,6 +247,7 @@ impl Controller {
             &target,
             "Unexport",
             token(&target.uid, generation),
+            &always,
             |mut c, token| {
                 let r = agent_api::UnexportRequest {
                     token,
@@ -250,7 +257,7 @@ impl Controller {
             },
         )
         .await?;
-        self.call_agent(&target, "DeleteVolume", None, |mut c, token| {
+        self.call_agent(&target, "DeleteVolume", None, &always, |mut c, token| {
             let r = agent_api::DeleteVolumeRequest {
                 token,
                 volume_id: name.clone(),
@@ -293,15 +300,21 @@ impl Controller {
         }
         let target = self.volume_agent(&state).await?;
         let grown = self
-            .call_agent(&target, "ExpandVolume", None, |mut c, token| {
-                let r = agent_api::ExpandVolumeRequest {
-                    token,
-                    volume_id: name.clone(),
-                    pool: state.spec.pool.clone(),
-                    size_bytes: req.required,
-                };
-                async move { c.expand_volume(r).await }
-            })
+            .call_agent(
+                &target,
+                "ExpandVolume",
+                None,
+                &not_deleting,
+                |mut c, token| {
+                    let r = agent_api::ExpandVolumeRequest {
+                        token,
+                        volume_id: name.clone(),
+                        pool: state.spec.pool.clone(),
+                        size_bytes: req.required,
+                    };
+                    async move { c.expand_volume(r).await }
+                },
+            )
             .await?;
         // The size is recorded or the call fails (ABORTED after persistent conflicts): the
         // caller never hears of a size the record does not hold.

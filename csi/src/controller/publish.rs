@@ -13,7 +13,8 @@ use std::collections::HashMap;
 use pillar_agent_api::v1 as agent_api;
 use pillar_nvmet::VolumeId;
 use pillar_state::crd::{
-    AccessMode, PillarAgent, PillarProtocol, PillarVolumeStateStatus, PublishedNode,
+    AccessMode, PillarAgent, PillarProtocol, PillarVolumeState, PillarVolumeStateStatus,
+    PublishedNode,
 };
 
 use super::Controller;
@@ -143,6 +144,50 @@ fn same_publication(a: &PublishedNode, b: &PublishedNode) -> bool {
     a.node == b.node && a.host_nqn == b.host_nqn && a.recorded_generation == b.recorded_generation
 }
 
+/// The precondition of a grant sent again after a resync: the publication it admits is still
+/// recorded as written (same node, host and generation), not being revoked, and the volume is
+/// not being deleted. Otherwise another replica withdrew it and the grant must not re-admit it.
+fn still_admitted(
+    current: &PillarVolumeState,
+    recorded: &PublishedNode,
+) -> Result<(), ControllerError> {
+    let status = current.status_or_default();
+    let admitted = !status.deleting
+        && status
+            .published_nodes
+            .iter()
+            .any(|p| same_publication(p, recorded) && !p.revoking);
+    if admitted {
+        Ok(())
+    } else {
+        Err(ControllerError::PublicationWithdrawn {
+            volume: current.spec.volume_id.clone(),
+            node: recorded.node.clone(),
+        })
+    }
+}
+
+/// The precondition of a revoke sent again after a resync: the publication it revokes is still
+/// recorded. Once gone, a newer token would revoke whatever publication of the host came after.
+fn still_recorded(
+    current: &PillarVolumeState,
+    publication: &PublishedNode,
+) -> Result<(), ControllerError> {
+    let status = current.status_or_default();
+    if status
+        .published_nodes
+        .iter()
+        .any(|p| same_publication(p, publication))
+    {
+        Ok(())
+    } else {
+        Err(ControllerError::PublicationWithdrawn {
+            volume: current.spec.volume_id.clone(),
+            node: publication.node.clone(),
+        })
+    }
+}
+
 impl Controller {
     /// ControllerPublishVolume.
     pub async fn publish(
@@ -187,10 +232,16 @@ impl Controller {
                 record(&name, &wanted, status)
             })
             .await?;
+        let recorded = PublishedNode {
+            recorded_generation: generation,
+            ..wanted.clone()
+        };
+        let still_admitted = |current: &PillarVolumeState| still_admitted(current, &recorded);
         self.call_agent(
             &target,
             "GrantInitiator",
             token(&target.uid, generation),
+            &still_admitted,
             |mut c, token| {
                 let r = agent_api::GrantInitiatorRequest {
                     token,
@@ -274,20 +325,33 @@ impl Controller {
             tracing::info!(volume = %name, node = %publication.node, "publication already gone");
             return Ok(());
         };
-        self.call_agent(
-            target,
-            "RevokeInitiator",
-            token(uid, generation),
-            |mut c, token| {
-                let r = agent_api::RevokeInitiatorRequest {
-                    token,
-                    volume_id: name.clone(),
-                    host_nqn: publication.host_nqn.clone(),
-                };
-                async move { c.revoke_initiator(r).await }
-            },
-        )
-        .await?;
+        let still_recorded = |current: &PillarVolumeState| still_recorded(current, publication);
+        let revoked = self
+            .call_agent(
+                target,
+                "RevokeInitiator",
+                token(uid, generation),
+                &still_recorded,
+                |mut c, token| {
+                    let r = agent_api::RevokeInitiatorRequest {
+                        token,
+                        volume_id: name.clone(),
+                        host_nqn: publication.host_nqn.clone(),
+                    };
+                    async move { c.revoke_initiator(r).await }
+                },
+            )
+            .await;
+        match revoked {
+            Ok(_) => {}
+            // Another replica confirmed this revoke and removed the record (W4) while the
+            // storage node was being resynced: nothing of this publication is left.
+            Err(ControllerError::PublicationWithdrawn { .. }) => {
+                tracing::info!(volume = %name, node = %publication.node, "publication already gone");
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
         // Confirmed: only now does the record go, and only this publication's.
         self.compare_and_swap(name, uid, |current| {
             let mut status = current.status_or_default();

@@ -28,6 +28,25 @@ pub enum Write {
     Nothing,
 }
 
+/// What must still hold of a volume's record for an agent call to be sent with a fresh token.
+pub type Precondition<'a> =
+    dyn Fn(&PillarVolumeState) -> Result<(), ControllerError> + Send + Sync + 'a;
+
+/// The precondition of calls that only need the lifecycle (checked by every write anyway).
+pub fn always(_: &PillarVolumeState) -> Result<(), ControllerError> {
+    Ok(())
+}
+
+/// The precondition of calls that must not reach a volume being deleted.
+pub fn not_deleting(current: &PillarVolumeState) -> Result<(), ControllerError> {
+    if current.status_or_default().deleting {
+        return Err(ControllerError::Deleting {
+            volume: current.spec.volume_id.clone(),
+        });
+    }
+    Ok(())
+}
+
 /// A fencing token of lifecycle `uid` at `generation`.
 pub fn token(uid: &str, generation: u64) -> Option<agent_api::FencingToken> {
     Some(agent_api::FencingToken {
@@ -115,8 +134,21 @@ impl Controller {
         name: &str,
         uid: &str,
     ) -> Result<Option<agent_api::FencingToken>, ControllerError> {
+        self.next_token_if(name, uid, &|_| Ok(())).await
+    }
+
+    /// A fresh fencing token, taken only while `still` holds of the record: the check and the
+    /// generation bump are one compare-and-swap, so whatever another replica records after it
+    /// carries a newer generation and is ordered after this token at the agent (W8).
+    pub(super) async fn next_token_if(
+        &self,
+        name: &str,
+        uid: &str,
+        still: &Precondition<'_>,
+    ) -> Result<Option<agent_api::FencingToken>, ControllerError> {
         let (_, generation) = self
-            .update_status(name, uid, |_, s| {
+            .update_status(name, uid, |current, s| {
+                still(current)?;
                 s.publication_generation += 1;
                 Ok(s.publication_generation)
             })
