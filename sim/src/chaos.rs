@@ -40,6 +40,8 @@ pub enum Fault {
     ReplyDelayed,
     /// Blocking work of an agent deferred (completes out of order with other work).
     WorkDeferred,
+    /// Blocking work of an agent slow (a configfs write the kernel is slow to answer).
+    WorkSlow,
 }
 
 impl fmt::Display for Fault {
@@ -62,6 +64,7 @@ pub struct Knobs {
     pub drop_reply: u64,
     pub delay_reply: u64,
     pub defer_work: u64,
+    pub slow_work: u64,
 }
 
 impl Default for Knobs {
@@ -78,6 +81,7 @@ impl Default for Knobs {
             drop_reply: 50,
             delay_reply: 150,
             defer_work: 300,
+            slow_work: 50,
         }
     }
 }

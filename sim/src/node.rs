@@ -131,7 +131,7 @@ impl SimAgent {
             if pillar_agent::blocking::pending() == 0 {
                 break;
             }
-            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
         if lose_state {
             let _ = std::fs::remove_dir_all(&self.state);

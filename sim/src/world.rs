@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pillar_agent::blocking::Deferral;
 use pillar_csi::agents::Agents;
 use pillar_csi::controller::{Controller, code_of, volume_id_for_name};
 use pillar_csi::csi;
@@ -110,12 +111,15 @@ pub fn run_seed(seed: u64, config: &Config) -> Result<SeedOutcome, SimError> {
     let deferral = {
         let chaos = chaos.clone();
         move || {
-            let k = chaos.knobs.defer_work;
-            if chaos.strikes(Fault::WorkDeferred, k, "blocking work deferred") {
-                u32::try_from(1 + chaos.below(16)).unwrap_or(1)
-            } else {
-                0
+            let k = chaos.knobs;
+            let mut d = Deferral::default();
+            if chaos.strikes(Fault::WorkDeferred, k.defer_work, "blocking work deferred") {
+                d.yields = u32::try_from(1 + chaos.below(16)).unwrap_or(1);
             }
+            if chaos.strikes(Fault::WorkSlow, k.slow_work, "blocking work slow") {
+                d.delay = chaos.pause(300);
+            }
+            d
         }
     };
     let _claim = pillar_agent::blocking::claim_thread(deferral);
