@@ -95,12 +95,13 @@ impl SimAgent {
     pub async fn start(&mut self) -> Result<(), ServerError> {
         let metrics = Arc::new(Metrics::new());
         let agent = build_agent(&self.config(), &metrics).await?;
+        let kill = Arc::new(KillSwitch::default());
         let service = ChaosAgent::new(
             AgentService::new(agent, metrics),
             self.chaos.clone(),
             &self.name,
+            Arc::clone(&kill),
         );
-        let kill = Arc::new(KillSwitch::default());
         let (tx, rx) = mpsc::unbounded_channel();
         let serve = tokio::spawn(async move {
             let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);

@@ -208,6 +208,9 @@ pub struct ChaosAgent {
     inner: AgentService,
     chaos: Chaos,
     node: String,
+    /// The incarnation's kill switch: a message held back or copied never reaches a process
+    /// that crashed meanwhile (a dead process receives nothing).
+    kill: Arc<KillSwitch>,
     /// Requests that arrived, in order.
     arrived: Arc<AtomicU64>,
     /// The highest arrival number delivered to the agent so far.
@@ -216,11 +219,12 @@ pub struct ChaosAgent {
 
 impl ChaosAgent {
     /// Wraps agent `node`'s service.
-    pub fn new(inner: AgentService, chaos: Chaos, node: &str) -> Self {
+    pub fn new(inner: AgentService, chaos: Chaos, node: &str, kill: Arc<KillSwitch>) -> Self {
         Self {
             inner,
             chaos,
             node: node.to_owned(),
+            kill,
             arrived: Arc::default(),
             delivered: Arc::default(),
         }
@@ -265,9 +269,15 @@ impl ChaosAgent {
             let me = self.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
+                if me.kill.killed() {
+                    return;
+                }
                 me.deliver(number, method);
                 let _ = call(inner, copy).await;
             });
+        }
+        if self.kill.killed() {
+            return Err(Status::unavailable("the agent crashed (simulated)"));
         }
         self.deliver(number, method);
         let result = call(self.inner.clone(), msg).await;
