@@ -135,7 +135,9 @@ impl Checker {
                         format!(
                             "{}: {volume} admits {host}, which no publication record of the volume names (records: {:?})",
                             agent.name,
-                            volumes.get(&volume).map(|v| v.status_or_default().published_nodes)
+                            volumes
+                                .get(&volume)
+                                .map(|v| v.status_or_default().published_nodes)
                         ),
                     );
                 }

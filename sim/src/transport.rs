@@ -186,20 +186,25 @@ impl Link {
 
 /// The controller's dialer: a lazy tonic channel per agent over its [`Link`].
 pub fn dialer(links: Arc<std::collections::BTreeMap<String, Arc<Link>>>) -> Dialer {
-    Arc::new(move |agent: &PillarAgent| -> Result<Channel, ConnectError> {
-        let name = agent.metadata.name.clone().unwrap_or_default();
-        let link = links.get(&name).cloned().ok_or_else(|| ConnectError::Dial {
-            agent: name.clone(),
-            reason: "no such simulated agent".into(),
-        })?;
-        let channel = Endpoint::from_static("http://agent.sim")
-            .timeout(Duration::from_secs(30))
-            .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
-                let link = Arc::clone(&link);
-                async move { link.connect().map(TokioIo::new) }
-            }));
-        Ok(channel)
-    })
+    Arc::new(
+        move |agent: &PillarAgent| -> Result<Channel, ConnectError> {
+            let name = agent.metadata.name.clone().unwrap_or_default();
+            let link = links
+                .get(&name)
+                .cloned()
+                .ok_or_else(|| ConnectError::Dial {
+                    agent: name.clone(),
+                    reason: "no such simulated agent".into(),
+                })?;
+            let channel = Endpoint::from_static("http://agent.sim")
+                .timeout(Duration::from_secs(30))
+                .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+                    let link = Arc::clone(&link);
+                    async move { link.connect().map(TokioIo::new) }
+                }));
+            Ok(channel)
+        },
+    )
 }
 
 /// See the module documentation.
@@ -259,7 +264,9 @@ impl ChaosAgent {
         let at = format!("{method} to {}", self.node);
         if mutating && c.strikes(Fault::RequestDropped, k.drop_request, &at) {
             tokio::time::sleep(c.pause(50)).await;
-            return Err(Status::unavailable("request lost in the network (simulated)"));
+            return Err(Status::unavailable(
+                "request lost in the network (simulated)",
+            ));
         }
         if c.strikes(Fault::RequestDelayed, k.delay_request, &at) {
             tokio::time::sleep(c.pause(200)).await;
@@ -313,17 +320,95 @@ macro_rules! relay_all {
 }
 
 relay_all!(
-    (get_capabilities, api::GetCapabilitiesRequest, api::GetCapabilitiesResponse, "GetCapabilities", false),
-    (health, api::HealthRequest, api::HealthResponse, "Health", false),
-    (create_volume, api::CreateVolumeRequest, api::CreateVolumeResponse, "CreateVolume", true),
-    (expand_volume, api::ExpandVolumeRequest, api::ExpandVolumeResponse, "ExpandVolume", true),
-    (delete_volume, api::DeleteVolumeRequest, api::DeleteVolumeResponse, "DeleteVolume", true),
-    (export, api::ExportRequest, api::ExportResponse, "Export", true),
-    (unexport, api::UnexportRequest, api::UnexportResponse, "Unexport", true),
-    (grant_initiator, api::GrantInitiatorRequest, api::GrantInitiatorResponse, "GrantInitiator", true),
-    (revoke_initiator, api::RevokeInitiatorRequest, api::RevokeInitiatorResponse, "RevokeInitiator", true),
-    (resync_exports, api::ResyncExportsRequest, api::ResyncExportsResponse, "ResyncExports", true),
-    (list_volumes, api::ListVolumesRequest, api::ListVolumesResponse, "ListVolumes", false),
-    (list_exports, api::ListExportsRequest, api::ListExportsResponse, "ListExports", false),
-    (get_capacity, api::GetCapacityRequest, api::GetCapacityResponse, "GetCapacity", false),
+    (
+        get_capabilities,
+        api::GetCapabilitiesRequest,
+        api::GetCapabilitiesResponse,
+        "GetCapabilities",
+        false
+    ),
+    (
+        health,
+        api::HealthRequest,
+        api::HealthResponse,
+        "Health",
+        false
+    ),
+    (
+        create_volume,
+        api::CreateVolumeRequest,
+        api::CreateVolumeResponse,
+        "CreateVolume",
+        true
+    ),
+    (
+        expand_volume,
+        api::ExpandVolumeRequest,
+        api::ExpandVolumeResponse,
+        "ExpandVolume",
+        true
+    ),
+    (
+        delete_volume,
+        api::DeleteVolumeRequest,
+        api::DeleteVolumeResponse,
+        "DeleteVolume",
+        true
+    ),
+    (
+        export,
+        api::ExportRequest,
+        api::ExportResponse,
+        "Export",
+        true
+    ),
+    (
+        unexport,
+        api::UnexportRequest,
+        api::UnexportResponse,
+        "Unexport",
+        true
+    ),
+    (
+        grant_initiator,
+        api::GrantInitiatorRequest,
+        api::GrantInitiatorResponse,
+        "GrantInitiator",
+        true
+    ),
+    (
+        revoke_initiator,
+        api::RevokeInitiatorRequest,
+        api::RevokeInitiatorResponse,
+        "RevokeInitiator",
+        true
+    ),
+    (
+        resync_exports,
+        api::ResyncExportsRequest,
+        api::ResyncExportsResponse,
+        "ResyncExports",
+        true
+    ),
+    (
+        list_volumes,
+        api::ListVolumesRequest,
+        api::ListVolumesResponse,
+        "ListVolumes",
+        false
+    ),
+    (
+        list_exports,
+        api::ListExportsRequest,
+        api::ListExportsResponse,
+        "ListExports",
+        false
+    ),
+    (
+        get_capacity,
+        api::GetCapacityRequest,
+        api::GetCapacityResponse,
+        "GetCapacity",
+        false
+    ),
 );

@@ -96,7 +96,9 @@ fn capability() -> csi::VolumeCapability {
 fn temp_root() -> std::io::Result<tempfile::TempDir> {
     let shm = std::path::Path::new("/dev/shm");
     if shm.is_dir()
-        && let Ok(dir) = tempfile::Builder::new().prefix("pillar-sim").tempdir_in(shm)
+        && let Ok(dir) = tempfile::Builder::new()
+            .prefix("pillar-sim")
+            .tempdir_in(shm)
     {
         return Ok(dir);
     }
@@ -333,7 +335,9 @@ async fn world(
         } else {
             None
         };
-        chaos.trace(format!("step {step}: replica {r}: {label} (deadline {cancel_after:?})"));
+        chaos.trace(format!(
+            "step {step}: replica {r}: {label} (deadline {cancel_after:?})"
+        ));
         let (c, ok) = (chaos.clone(), Arc::clone(&ok));
         tasks.push(tokio::spawn(async move {
             let limit = cancel_after.unwrap_or(Duration::from_secs(600));
@@ -344,7 +348,10 @@ async fn world(
                 }
                 Ok(Err(e)) => e,
                 Err(_) => {
-                    c.count(Fault::Cancelled, &format!("step {step} dropped at an await point"));
+                    c.count(
+                        Fault::Cancelled,
+                        &format!("step {step} dropped at an await point"),
+                    );
                     "cancelled".to_owned()
                 }
             };

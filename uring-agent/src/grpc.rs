@@ -319,8 +319,10 @@ impl api::agent_server::Agent for AgentService {
         let agent = Arc::clone(&self.agent);
         self.call("DeleteVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
-            to_the_end(self.agent.hooks(), async move { agent.delete_volume(token(r.token), &volume, &r.pool).await })
-                .await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.delete_volume(token(r.token), &volume, &r.pool).await
+            })
+            .await?;
             Ok(api::DeleteVolumeResponse {})
         })
         .await
@@ -334,7 +336,11 @@ impl api::agent_server::Agent for AgentService {
         let agent = Arc::clone(&self.agent);
         self.call("Export", &r.volume_id.clone(), async move {
             let request = export_request(r)?;
-            let done = to_the_end(self.agent.hooks(), async move { agent.export(request).await }).await?;
+            let done = to_the_end(
+                self.agent.hooks(),
+                async move { agent.export(request).await },
+            )
+            .await?;
             Ok(api::ExportResponse {
                 subsystem_nqn: done.nqn.to_string(),
                 target_address: done.address.ip().to_string(),
@@ -353,7 +359,10 @@ impl api::agent_server::Agent for AgentService {
         let agent = Arc::clone(&self.agent);
         self.call("Unexport", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
-            to_the_end(self.agent.hooks(), async move { agent.unexport(token(r.token), &volume).await }).await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.unexport(token(r.token), &volume).await
+            })
+            .await?;
             Ok(api::UnexportResponse {})
         })
         .await
@@ -368,7 +377,10 @@ impl api::agent_server::Agent for AgentService {
         self.call("GrantInitiator", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let host = host_nqn("host_nqn", &r.host_nqn)?;
-            to_the_end(self.agent.hooks(), async move { agent.grant(token(r.token), &volume, &host).await }).await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.grant(token(r.token), &volume, &host).await
+            })
+            .await?;
             Ok(api::GrantInitiatorResponse {})
         })
         .await
@@ -383,7 +395,10 @@ impl api::agent_server::Agent for AgentService {
         self.call("RevokeInitiator", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let host = host_nqn("host_nqn", &r.host_nqn)?;
-            to_the_end(self.agent.hooks(), async move { agent.revoke(token(r.token), &volume, &host).await }).await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.revoke(token(r.token), &volume, &host).await
+            })
+            .await?;
             Ok(api::RevokeInitiatorResponse {})
         })
         .await
@@ -406,7 +421,11 @@ impl api::agent_server::Agent for AgentService {
                 }
             }
             let (outcomes, unlisted) =
-                to_the_end(self.agent.hooks(), async move { agent.resync(requests).await }).await?;
+                to_the_end(
+                    self.agent.hooks(),
+                    async move { agent.resync(requests).await },
+                )
+                .await?;
             results.extend(outcomes.into_iter().map(|o| match o.result {
                 Ok(_) => api::resync_exports_response::Result {
                     volume_id: o.volume.to_string(),
