@@ -59,15 +59,33 @@ pub enum ConnectError {
     TlsOverUnixSocket { agent: String },
     #[error("agent {agent} requires TLS but the controller has no client certificate")]
     NoClientIdentity { agent: String },
+    #[error("agent {agent} cannot be dialled: {reason}")]
+    Dial { agent: String, reason: String },
 }
 
+/// Opens a channel to an agent over a transport its owner provides instead of the network: the
+/// deterministic simulation (`pillar-sim`) reaches its in-process agents this way. Only
+/// [`Agents::with_dialer`] installs one; the controller's binaries never do.
+pub type Dialer = Arc<dyn Fn(&PillarAgent) -> Result<Channel, ConnectError> + Send + Sync>;
+
 /// Cached agent channels.
-#[derive(Debug)]
 pub struct Agents {
     channels: Mutex<HashMap<String, (String, Client)>>,
     tls: Option<ControllerTls>,
     allow_plaintext: bool,
     timeout: Duration,
+    dialer: Option<Dialer>,
+}
+
+impl std::fmt::Debug for Agents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agents")
+            .field("tls", &self.tls)
+            .field("allow_plaintext", &self.allow_plaintext)
+            .field("timeout", &self.timeout)
+            .field("dialer", &self.dialer.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Agents {
@@ -78,6 +96,19 @@ impl Agents {
             tls,
             allow_plaintext,
             timeout,
+            dialer: None,
+        })
+    }
+
+    /// A pool whose every connection is opened by `dialer` (an in-process transport); TLS and
+    /// addresses are the dialer's business.
+    pub fn with_dialer(dialer: Dialer) -> Arc<Self> {
+        Arc::new(Self {
+            channels: Mutex::new(HashMap::new()),
+            tls: None,
+            allow_plaintext: false,
+            timeout: Duration::ZERO,
+            dialer: Some(dialer),
         })
     }
 
@@ -102,6 +133,9 @@ impl Agents {
     }
 
     async fn connect(&self, name: &str, agent: &PillarAgent) -> Result<Client, ConnectError> {
+        if let Some(dialer) = &self.dialer {
+            return Ok(AgentClient::new(dialer(agent)?));
+        }
         let address = agent.spec.address.clone();
         let connect_err = |source| ConnectError::Connect {
             agent: name.to_owned(),

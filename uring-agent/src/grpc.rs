@@ -21,6 +21,7 @@ use tracing::Instrument;
 
 use crate::backend::BackendError;
 use crate::fence::{MarkError, Rejection, Token};
+use crate::hooks::Hooks;
 use crate::metrics::Metrics;
 use crate::service::{Agent, AgentError, ExportRequest, Protocol, Readiness, VolumeSize};
 use crate::target::TargetError;
@@ -152,12 +153,14 @@ fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
 /// Runs a request on its own task: once started it runs to its end (done, or a durable
 /// failure) holding its locks, whatever the caller does (F11). A caller that goes away (a
 /// deadline, a crash) drops only the wait for the answer, never the work its locks guard.
+/// The task is known to the agent's hooks, so a simulation can abort it as a crash would.
 async fn to_the_end<T: Send + 'static>(
+    hooks: &Hooks,
     work: impl Future<Output = Result<T, AgentError>> + Send + 'static,
 ) -> Result<T, AgentError> {
-    tokio::spawn(work.in_current_span())
-        .await
-        .map_err(AgentError::Task)?
+    let task = tokio::spawn(work.in_current_span());
+    hooks.track(&task);
+    task.await.map_err(AgentError::Task)?
 }
 
 fn failed_result(volume: String, err: &AgentError) -> api::resync_exports_response::Result {
@@ -273,7 +276,7 @@ impl api::agent_server::Agent for AgentService {
         self.call("CreateVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let size = size(r.size_bytes)?;
-            let info = to_the_end(async move {
+            let info = to_the_end(self.agent.hooks(), async move {
                 agent
                     .create_volume(token(r.token), &volume, &r.pool, size)
                     .await
@@ -295,7 +298,7 @@ impl api::agent_server::Agent for AgentService {
         self.call("ExpandVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let size = size(r.size_bytes)?;
-            let info = to_the_end(async move {
+            let info = to_the_end(self.agent.hooks(), async move {
                 agent
                     .expand_volume(token(r.token), &volume, &r.pool, size)
                     .await
@@ -316,8 +319,10 @@ impl api::agent_server::Agent for AgentService {
         let agent = Arc::clone(&self.agent);
         self.call("DeleteVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
-            to_the_end(async move { agent.delete_volume(token(r.token), &volume, &r.pool).await })
-                .await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.delete_volume(token(r.token), &volume, &r.pool).await
+            })
+            .await?;
             Ok(api::DeleteVolumeResponse {})
         })
         .await
@@ -331,7 +336,11 @@ impl api::agent_server::Agent for AgentService {
         let agent = Arc::clone(&self.agent);
         self.call("Export", &r.volume_id.clone(), async move {
             let request = export_request(r)?;
-            let done = to_the_end(async move { agent.export(request).await }).await?;
+            let done = to_the_end(
+                self.agent.hooks(),
+                async move { agent.export(request).await },
+            )
+            .await?;
             Ok(api::ExportResponse {
                 subsystem_nqn: done.nqn.to_string(),
                 target_address: done.address.ip().to_string(),
@@ -350,7 +359,10 @@ impl api::agent_server::Agent for AgentService {
         let agent = Arc::clone(&self.agent);
         self.call("Unexport", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
-            to_the_end(async move { agent.unexport(token(r.token), &volume).await }).await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.unexport(token(r.token), &volume).await
+            })
+            .await?;
             Ok(api::UnexportResponse {})
         })
         .await
@@ -365,7 +377,10 @@ impl api::agent_server::Agent for AgentService {
         self.call("GrantInitiator", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let host = host_nqn("host_nqn", &r.host_nqn)?;
-            to_the_end(async move { agent.grant(token(r.token), &volume, &host).await }).await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.grant(token(r.token), &volume, &host).await
+            })
+            .await?;
             Ok(api::GrantInitiatorResponse {})
         })
         .await
@@ -380,7 +395,10 @@ impl api::agent_server::Agent for AgentService {
         self.call("RevokeInitiator", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let host = host_nqn("host_nqn", &r.host_nqn)?;
-            to_the_end(async move { agent.revoke(token(r.token), &volume, &host).await }).await?;
+            to_the_end(self.agent.hooks(), async move {
+                agent.revoke(token(r.token), &volume, &host).await
+            })
+            .await?;
             Ok(api::RevokeInitiatorResponse {})
         })
         .await
@@ -403,7 +421,11 @@ impl api::agent_server::Agent for AgentService {
                 }
             }
             let (outcomes, unlisted) =
-                to_the_end(async move { agent.resync(requests).await }).await?;
+                to_the_end(
+                    self.agent.hooks(),
+                    async move { agent.resync(requests).await },
+                )
+                .await?;
             results.extend(outcomes.into_iter().map(|o| match o.result {
                 Ok(_) => api::resync_exports_response::Result {
                     volume_id: o.volume.to_string(),

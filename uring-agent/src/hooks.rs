@@ -35,6 +35,10 @@ enum Action {
 pub struct Hooks {
     any_armed: Arc<AtomicBool>,
     armed: Arc<Mutex<HashMap<HookPoint, Action>>>,
+    /// Whether request tasks are tracked ([`Hooks::track_requests`]).
+    tracking: Arc<AtomicBool>,
+    /// The request tasks tracked, so a test can abort them all as a crash of the process would.
+    requests: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
 }
 
 /// A stall a test holds: requests reaching the point wait until [`Gate::release`].
@@ -120,6 +124,37 @@ impl Hooks {
     /// Whether the step at `point` must fail (armed with [`Hooks::fail`]).
     pub(crate) fn fails(&self, point: HookPoint) -> bool {
         matches!(self.action(point), Some(Action::Fail))
+    }
+
+    /// Records a request's task (the gRPC edge's `to_the_end`) while tracking is on; nothing
+    /// otherwise.
+    pub(crate) fn track<T>(&self, task: &tokio::task::JoinHandle<T>) {
+        if !self.tracking.load(Ordering::Acquire) {
+            return;
+        }
+        let mut requests = self.requests.lock().unwrap_or_else(PoisonError::into_inner);
+        requests.retain(|r| !r.is_finished());
+        requests.push(task.abort_handle());
+    }
+
+    /// From now on, every request task of the agents sharing these hooks is tracked, so that
+    /// [`abort_requests`](Self::abort_requests) can simulate a crash of the agent's process.
+    #[cfg(feature = "fault-injection")]
+    pub fn track_requests(&self) {
+        self.tracking.store(true, Ordering::Release);
+    }
+
+    /// Aborts every tracked request task still running (a crash: the work stops at whatever
+    /// await point it reached); how many were running.
+    #[cfg(feature = "fault-injection")]
+    pub fn abort_requests(&self) -> usize {
+        let requests =
+            std::mem::take(&mut *self.requests.lock().unwrap_or_else(PoisonError::into_inner));
+        let running = requests.iter().filter(|r| !r.is_finished()).count();
+        for r in requests {
+            r.abort();
+        }
+        running
     }
 
     #[cfg(feature = "fault-injection")]

@@ -7,9 +7,11 @@
 //! - [`target`]: configfs (kernel or test double) and adopted-identity records.
 //! - [`service`]: the operations, with locking, fencing and the resync gate.
 //! - [`grpc`]: the gRPC edge and its error code table; [`server`]: assembly, mTLS, metrics.
+//! - [`blocking`]: where blocking work runs (tokio's pool; a task on a simulation's thread).
 //! - [`hooks`]: points where tests stall or slow a request (armed only with `fault-injection`).
 
 pub mod backend;
+pub mod blocking;
 pub mod engine;
 pub mod fence;
 pub mod grpc;

@@ -206,6 +206,11 @@ impl Agent {
         }
     }
 
+    /// The test hooks this agent was built with.
+    pub fn hooks(&self) -> &Hooks {
+        &self.settings.hooks
+    }
+
     /// The engine in use.
     pub fn engine(&self) -> &Engine {
         &self.engine

@@ -150,7 +150,7 @@ impl Target {
     /// Reads the whole tree.
     pub async fn observe(&self, _guard: &TargetGuard<'_>) -> Result<TargetState, TargetError> {
         let root = self.root.clone();
-        Ok(tokio::task::spawn_blocking(move || observe(&root))
+        Ok(crate::blocking::spawn(move || observe(&root))
             .await
             .map_err(TargetError::Join)??)
     }
@@ -169,7 +169,7 @@ impl Target {
             Backing::Double(double) => {
                 let mut double = double.clone();
                 let hooks = self.hooks.clone();
-                tokio::task::spawn_blocking(move || {
+                crate::blocking::spawn(move || {
                     hooks.blocking(HookPoint::ConfigfsApply);
                     pillar_nvmet::apply(&mut double as &mut dyn Executor, &ops)
                 })

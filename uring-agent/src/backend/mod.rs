@@ -30,6 +30,7 @@ pub mod command;
 pub mod file;
 pub mod loopdev;
 pub mod lvm;
+pub mod plain;
 pub mod zfs;
 
 use std::path::{Path, PathBuf};
@@ -43,6 +44,7 @@ pub use command::{
 };
 pub use file::FileBackend;
 pub use lvm::LvmBackend;
+pub use plain::PlainFileBackend;
 pub use zfs::ZfsBackend;
 
 /// Largest volume pillar creates: 1 PiB. Anything larger is refused as absurd.
@@ -69,6 +71,9 @@ pub enum PoolKind {
     LvmThin { vg: String, thin_pool: String },
     /// zvols directly under the dataset `parent`.
     Zfs { parent: String },
+    /// Sparse files in `dir` exported as they are, without loop devices ([`plain`]): for the
+    /// simulation and tests, not offered on the command line.
+    PlainFile { dir: PathBuf },
 }
 
 /// A volume as a backend holds it.
@@ -178,6 +183,7 @@ pub enum Backend {
     File(FileBackend),
     Lvm(LvmBackend),
     Zfs(ZfsBackend),
+    PlainFile(PlainFileBackend),
 }
 
 impl Backend {
@@ -193,6 +199,9 @@ impl Backend {
                 Self::Lvm(LvmBackend::new(&config.name, vg, Some(thin_pool), runner)?)
             }
             PoolKind::Zfs { parent } => Self::Zfs(ZfsBackend::new(&config.name, parent, runner)?),
+            PoolKind::PlainFile { dir } => {
+                Self::PlainFile(PlainFileBackend::new(&config.name, dir)?)
+            }
         })
     }
 
@@ -215,6 +224,7 @@ impl Backend {
             Self::File(b) => b.probe().await,
             Self::Lvm(b) => b.probe().await,
             Self::Zfs(b) => b.capacity().await,
+            Self::PlainFile(b) => b.capacity().await,
         }
     }
 
@@ -224,6 +234,7 @@ impl Backend {
             Self::File(_) => "file",
             Self::Lvm(b) => b.kind_name(),
             Self::Zfs(_) => "zfs",
+            Self::PlainFile(_) => "plain-file",
         }
     }
 
@@ -235,6 +246,7 @@ impl Backend {
             Self::File(b) => b.round_size(size_bytes),
             Self::Lvm(b) => b.round_size(size_bytes),
             Self::Zfs(b) => b.round_size(size_bytes),
+            Self::PlainFile(b) => b.round_size(size_bytes),
         }
     }
 
@@ -249,6 +261,7 @@ impl Backend {
             Self::File(b) => b.create(volume, size_bytes).await,
             Self::Lvm(b) => b.create(volume, size_bytes).await,
             Self::Zfs(b) => b.create(volume, size_bytes).await,
+            Self::PlainFile(b) => b.create(volume, size_bytes).await,
         }
     }
 
@@ -263,6 +276,7 @@ impl Backend {
             Self::File(b) => b.expand(volume, size_bytes).await,
             Self::Lvm(b) => b.expand(volume, size_bytes).await,
             Self::Zfs(b) => b.expand(volume, size_bytes).await,
+            Self::PlainFile(b) => b.expand(volume, size_bytes).await,
         }
     }
 
@@ -272,6 +286,7 @@ impl Backend {
             Self::File(b) => b.delete(volume).await,
             Self::Lvm(b) => b.delete(volume).await,
             Self::Zfs(b) => b.delete(volume).await,
+            Self::PlainFile(b) => b.delete(volume).await,
         }
     }
 
@@ -282,6 +297,7 @@ impl Backend {
             Self::File(b) => b.lookup(volume).await,
             Self::Lvm(b) => b.lookup(volume).await,
             Self::Zfs(b) => b.lookup(volume).await,
+            Self::PlainFile(b) => b.lookup(volume).await,
         }
     }
 
@@ -291,6 +307,7 @@ impl Backend {
             Self::File(b) => b.list().await,
             Self::Lvm(b) => b.list().await,
             Self::Zfs(b) => b.list().await,
+            Self::PlainFile(b) => b.list().await,
         }
     }
 
@@ -300,6 +317,7 @@ impl Backend {
             Self::File(b) => b.capacity().await,
             Self::Lvm(b) => b.capacity().await,
             Self::Zfs(b) => b.capacity().await,
+            Self::PlainFile(b) => b.capacity().await,
         }
     }
 }

@@ -51,7 +51,7 @@ impl SyncEngine {
         let name = name.to_owned();
         let fault = self.fault;
         EngineStats::add(&self.stats.submissions, 1);
-        tokio::task::spawn_blocking(move || replace_blocking(&dir, &name, &contents, fault))
+        crate::blocking::spawn(move || replace_blocking(&dir, &name, &contents, fault))
             .await
             .map_err(EngineError::Join)??;
         EngineStats::add(&self.stats.durable_ops, 1);
@@ -67,7 +67,7 @@ impl SyncEngine {
         let dir = Arc::clone(dir);
         let name = name.to_owned();
         EngineStats::add(&self.stats.submissions, 1);
-        tokio::task::spawn_blocking(move || {
+        crate::blocking::spawn(move || {
             let path = dir.path().join(&name);
             let step = |step, source| EngineError::Step {
                 step,
@@ -97,7 +97,7 @@ impl SyncEngine {
     ) -> Result<(), EngineError> {
         let mut exec = KernelExecutor::new(root.path());
         EngineStats::add(&self.stats.submissions, 1);
-        tokio::task::spawn_blocking(move || apply(&mut exec, &ops))
+        crate::blocking::spawn(move || apply(&mut exec, &ops))
             .await
             .map_err(EngineError::Join)??;
         EngineStats::add(&self.stats.configfs_plans, 1);

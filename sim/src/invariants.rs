@@ -1,0 +1,229 @@
+//! The five safety invariants, checked after every step of a seed and once more after the
+//! final drain (when every message still in flight has landed or died).
+//!
+//! 1. At the target at most one host is admitted to a single-writer volume (and never any host,
+//!    `allow_any_host`, under `acl: true`). Every simulated volume is single-writer.
+//! 2. No agent applies a change with a generation below its mark: a volume's mark never moves
+//!    back within one lifecycle.
+//! 3. A volume deleted and re-created under one name is never touched by the old lifecycle: once
+//!    a mark moved on from a UID, that UID never owns it again.
+//! 4. A publication record is removed only after its revoke is confirmed: every host admitted at
+//!    a target has a publication record (possibly being revoked) of that volume, on that agent.
+//! 5. A published volume is never deleted: once a lifecycle's backend volume existed, it exists
+//!    as long as that lifecycle has a publication record.
+//!
+//! Marks are read from the agents' state directories, the ACLs from the configfs doubles, the
+//! backends from the pool directories and the records from the shared store, all without an
+//! await in between, so the snapshot is consistent.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use pillar_nvmet::{SubsystemNqn, VolumeId};
+use pillar_state::crd::PillarVolumeState;
+
+use crate::node::SimAgent;
+
+/// Which invariant broke.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Invariant {
+    OneWriterAtTarget = 1,
+    MarkNeverMovesBack = 2,
+    OldLifecycleNeverTouchesNew = 3,
+    RecordOutlivesAccess = 4,
+    PublishedNeverDeleted = 5,
+}
+
+impl fmt::Display for Invariant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self {
+            Self::OneWriterAtTarget => "1 (at most one host admitted to a single-writer volume)",
+            Self::MarkNeverMovesBack => "2 (no change below the mark's generation)",
+            Self::OldLifecycleNeverTouchesNew => "3 (an old lifecycle never touches a new one)",
+            Self::RecordOutlivesAccess => {
+                "4 (a record is removed only after its revoke is confirmed)"
+            }
+            Self::PublishedNeverDeleted => "5 (a published volume is never deleted)",
+        };
+        f.write_str(text)
+    }
+}
+
+/// A broken invariant and what showed it.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    pub invariant: Invariant,
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invariant {}: {}", self.invariant, self.detail)
+    }
+}
+
+/// What the checker remembers between checks.
+#[derive(Debug, Default)]
+pub struct Checker {
+    /// Last mark seen per (agent, volume): owner UID and generation.
+    marks: BTreeMap<(String, String), (String, u64)>,
+    /// UIDs a mark moved on from, per (agent, volume).
+    superseded: BTreeMap<(String, String), BTreeSet<String>>,
+    /// (agent, volume, UID) whose backend volume was seen.
+    backends: BTreeSet<(String, String, String)>,
+}
+
+fn violation(invariant: Invariant, detail: String) -> Option<Violation> {
+    Some(Violation { invariant, detail })
+}
+
+impl Checker {
+    /// Checks every invariant against the agents and the store's records.
+    pub fn check(
+        &mut self,
+        agents: &[SimAgent],
+        volumes: &BTreeMap<String, PillarVolumeState>,
+    ) -> Option<Violation> {
+        for agent in agents {
+            if let Some(v) = self.check_agent(agent, volumes) {
+                return Some(v);
+            }
+        }
+        None
+    }
+
+    fn check_agent(
+        &mut self,
+        agent: &SimAgent,
+        volumes: &BTreeMap<String, PillarVolumeState>,
+    ) -> Option<Violation> {
+        let target = match pillar_nvmet::observe(&agent.configfs) {
+            Ok(t) => t,
+            Err(e) => {
+                return violation(
+                    Invariant::OneWriterAtTarget,
+                    format!("{}: the target cannot be read: {e}", agent.name),
+                );
+            }
+        };
+        for (nqn, sub) in &target.subsystems {
+            let volume = SubsystemNqn::parse(nqn)
+                .ok()
+                .and_then(|n| n.volume_id().ok())
+                .map(|v| v.to_string())
+                .unwrap_or_default();
+            if sub.allow_any_host || sub.allowed_hosts.len() > 1 {
+                return violation(
+                    Invariant::OneWriterAtTarget,
+                    format!(
+                        "{}: {volume} admits {:?} (allow_any_host {})",
+                        agent.name, sub.allowed_hosts, sub.allow_any_host
+                    ),
+                );
+            }
+            for host in &sub.allowed_hosts {
+                let recorded = volumes.get(&volume).is_some_and(|v| {
+                    v.spec.agent == agent.name
+                        && v.status_or_default()
+                            .published_nodes
+                            .iter()
+                            .any(|p| p.host_nqn == *host)
+                });
+                if !recorded {
+                    return violation(
+                        Invariant::RecordOutlivesAccess,
+                        format!(
+                            "{}: {volume} admits {host}, which no publication record of the volume names (records: {:?})",
+                            agent.name,
+                            volumes
+                                .get(&volume)
+                                .map(|v| v.status_or_default().published_nodes)
+                        ),
+                    );
+                }
+            }
+        }
+        if let Some(v) = self.check_marks(agent) {
+            return Some(v);
+        }
+        for (name, v) in volumes.iter().filter(|(_, v)| v.spec.agent == agent.name) {
+            let uid = v.metadata.uid.clone().unwrap_or_default();
+            let key = (agent.name.clone(), name.clone(), uid.clone());
+            if agent.pool.join(format!("{name}.img")).exists() {
+                self.backends.insert(key);
+            } else if self.backends.contains(&key)
+                && !v.status_or_default().published_nodes.is_empty()
+            {
+                return violation(
+                    Invariant::PublishedNeverDeleted,
+                    format!(
+                        "{}: the backend of {name} (lifecycle {uid}) is gone while it is published to {:?}",
+                        agent.name,
+                        v.status_or_default().published_nodes
+                    ),
+                );
+            }
+        }
+        None
+    }
+
+    fn check_marks(&mut self, agent: &SimAgent) -> Option<Violation> {
+        let dir = agent.state.join("generations");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return None;
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        names.sort();
+        for file in names {
+            let Some(volume) = file
+                .strip_suffix(".json")
+                .and_then(|v| VolumeId::parse(v).ok())
+            else {
+                continue;
+            };
+            let Ok(bytes) = std::fs::read(dir.join(&file)) else {
+                continue;
+            };
+            let mark = match pillar_agent::fence::decode(&volume, &bytes) {
+                Ok(m) => m,
+                Err(e) => {
+                    return violation(
+                        Invariant::MarkNeverMovesBack,
+                        format!("{}: the mark of {volume} is corrupt: {e}", agent.name),
+                    );
+                }
+            };
+            let key = (agent.name.clone(), volume.to_string());
+            if let Some((uid, generation)) = self.marks.get(&key).cloned() {
+                if mark.owner_uid == uid && mark.generation < generation {
+                    return violation(
+                        Invariant::MarkNeverMovesBack,
+                        format!(
+                            "{}: the mark of {volume} moved back from generation {generation} to {} (lifecycle {uid})",
+                            agent.name, mark.generation
+                        ),
+                    );
+                }
+                if mark.owner_uid != uid {
+                    let gone = self.superseded.entry(key.clone()).or_default();
+                    if gone.contains(&mark.owner_uid) {
+                        return violation(
+                            Invariant::OldLifecycleNeverTouchesNew,
+                            format!(
+                                "{}: the mark of {volume} went back from lifecycle {uid} to the earlier {}",
+                                agent.name, mark.owner_uid
+                            ),
+                        );
+                    }
+                    gone.insert(uid);
+                }
+            }
+            self.marks
+                .insert(key, (mark.owner_uid.clone(), mark.generation));
+        }
+        None
+    }
+}

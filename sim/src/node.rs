@@ -1,0 +1,141 @@
+//! One storage node: the real agent (`pillar_agent::server::build_agent`: synchronous engine,
+//! fencing marks in a state directory, the nvmet configfs double, a plain-file pool), served by
+//! tonic behind [`ChaosAgent`] on the node's [`Link`], and crashed and restarted at the
+//! simulation's word.
+//!
+//! What survives a crash is what survives on a real node: the configfs tree (the kernel's), the
+//! pool's files (the disks) and, unless the crash loses it, the state directory. What dies is
+//! the process: its request tasks stop at whatever await point they reached (tracked through
+//! the agent's hooks), its connections break, and the next incarnation starts waiting for the
+//! controller's resync.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pillar_agent::backend::{PoolConfig, PoolKind};
+use pillar_agent::grpc::AgentService;
+use pillar_agent::hooks::Hooks;
+use pillar_agent::metrics::Metrics;
+use pillar_agent::server::{EngineKind, Listen, ServerConfig, ServerError, build_agent};
+use pillar_agent::service::AgentSettings;
+use pillar_agent::target::TargetConfig;
+use pillar_agent_api::v1::agent_server::AgentServer;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::chaos::Chaos;
+use crate::transport::{ChaosAgent, KillSwitch, Link};
+
+/// The pool every simulated agent has.
+pub const POOL: &str = "p1";
+
+/// One simulated storage node.
+#[derive(Debug)]
+pub struct SimAgent {
+    pub name: String,
+    pub state: PathBuf,
+    pub configfs: PathBuf,
+    pub pool: PathBuf,
+    pub link: Arc<Link>,
+    hooks: Hooks,
+    chaos: Chaos,
+    running: Option<(Arc<KillSwitch>, JoinHandle<()>)>,
+    pub incarnation: u32,
+}
+
+impl SimAgent {
+    /// A node named `name` with its directories under `dir`; not started.
+    pub fn new(name: &str, dir: &Path, chaos: Chaos) -> std::io::Result<Self> {
+        let pool = dir.join("pool");
+        std::fs::create_dir_all(&pool)?;
+        let hooks = Hooks::default();
+        hooks.track_requests();
+        Ok(Self {
+            name: name.to_owned(),
+            state: dir.join("state"),
+            configfs: dir.join("configfs"),
+            pool,
+            link: Arc::new(Link::default()),
+            hooks,
+            chaos,
+            running: None,
+            incarnation: 0,
+        })
+    }
+
+    fn config(&self) -> ServerConfig {
+        ServerConfig {
+            state_dir: self.state.clone(),
+            // Never bound: the simulation serves the agent on its own transport.
+            listen: Listen::Unix(self.state.join("unused.sock")),
+            engine: EngineKind::Sync,
+            target: TargetConfig::Double {
+                root: self.configfs.clone(),
+            },
+            pools: vec![PoolConfig {
+                name: POOL.into(),
+                kind: PoolKind::PlainFile {
+                    dir: self.pool.clone(),
+                },
+            }],
+            settings: AgentSettings {
+                nvme_address: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                kernel_random_identity: false,
+                hooks: self.hooks.clone(),
+            },
+            tls: None,
+            insecure_plaintext: true,
+            metrics_listen: None,
+            command_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Starts a new incarnation (it waits for the controller's resync, C3).
+    pub async fn start(&mut self) -> Result<(), ServerError> {
+        let metrics = Arc::new(Metrics::new());
+        let agent = build_agent(&self.config(), &metrics).await?;
+        let kill = Arc::new(KillSwitch::default());
+        let service = ChaosAgent::new(
+            AgentService::new(agent, metrics),
+            self.chaos.clone(),
+            &self.name,
+            Arc::clone(&kill),
+        );
+        let (tx, rx) = mpsc::unbounded_channel();
+        let serve = tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+            // Ends when the incarnation is aborted; an error here is the crash itself.
+            let _ = tonic::transport::Server::builder()
+                .add_service(AgentServer::new(service))
+                .serve_with_incoming(incoming)
+                .await;
+        });
+        self.incarnation += 1;
+        self.link.up(Arc::clone(&kill), tx);
+        self.running = Some((kill, serve));
+        Ok(())
+    }
+
+    /// Kills the process: connections break, request tasks die where they are, work already
+    /// handed to the blocking seam finishes (it was in the kernel's hands). With `lose_state`
+    /// the state directory is gone too.
+    pub async fn crash(&mut self, lose_state: bool) {
+        self.link.down();
+        if let Some((kill, serve)) = self.running.take() {
+            kill.kill();
+            serve.abort();
+        }
+        self.hooks.abort_requests();
+        // Work already given to the blocking seam completes before the next incarnation starts.
+        for _ in 0..10_000 {
+            if pillar_agent::blocking::pending() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if lose_state {
+            let _ = std::fs::remove_dir_all(&self.state);
+        }
+    }
+}
