@@ -63,7 +63,18 @@ async fn sigkill_during_mark_writes_leaves_whole_marks_and_keeps_fencing() {
                     }
                 }));
             }
-            tokio::time::sleep(Duration::from_millis(150 + 97 * round)).await;
+            // The kill lands at a different point of the stream each round, counted from the
+            // first acknowledged update: on a loaded machine the stream may take longer to start
+            // than any fixed offset.
+            let started = tokio::time::Instant::now();
+            while progress.lock().await.values().all(|(_, acked)| *acked == 0) {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "{engine}: no update acknowledged within 60 s"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(50 + 97 * round)).await;
             agent.kill();
             for t in tasks {
                 let _ = t.await;
