@@ -259,6 +259,9 @@ impl Controller {
         if let Some(device) = self.local_device(&target.client, &state).await? {
             publish_context.insert(context::LOCAL_DEVICE.to_owned(), device);
         }
+        if !protocol.spec.nvme_tcp.acl {
+            tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with acl: false: any host that reaches the port can connect, and unpublishing cannot keep a lost node out");
+        }
         tracing::info!(volume = %name, node = %wanted.node, mode = ?wanted.access_mode, readonly = wanted.readonly, "published");
         Ok(csi::ControllerPublishVolumeResponse { publish_context })
     }

@@ -258,9 +258,10 @@ pub struct NvmeTcp {
     #[serde(default = "default_port")]
     pub port: u16,
     // W6.
-    /// `true`: the subsystem admits only the host NQNs of published nodes. `false` (default):
-    /// `allow_any_host`, so any host that can reach the port can connect.
-    #[serde(default)]
+    /// `true` (default): the subsystem admits only the host NQNs of published nodes, so a
+    /// revoke keeps a host out. `false`: `allow_any_host`, so any host that can reach the port
+    /// can connect and an unpublish cannot fence anyone.
+    #[serde(default = "default_acl")]
     pub acl: bool,
     /// `ctrl_loss_tmo` in seconds passed at connect; default 600, the kernel's and nvme-cli's own
     /// default. `-1` reconnects forever.
@@ -305,6 +306,9 @@ pub const DEFAULT_CTRL_LOSS_TMO: i32 = 600;
 /// Default `reconnect_delay` (seconds).
 pub const DEFAULT_RECONNECT_DELAY: u32 = 10;
 
+fn default_acl() -> bool {
+    true
+}
 fn default_port() -> u16 {
     DEFAULT_NVME_TCP_PORT
 }
@@ -319,7 +323,7 @@ impl Default for NvmeTcp {
     fn default() -> Self {
         Self {
             port: DEFAULT_NVME_TCP_PORT,
-            acl: false,
+            acl: true,
             ctrl_loss_tmo: DEFAULT_CTRL_LOSS_TMO,
             reconnect_delay: DEFAULT_RECONNECT_DELAY,
             fs_type: FsType::Ext4,

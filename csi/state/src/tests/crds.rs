@@ -136,14 +136,14 @@ fn access_modes_have_no_rwx() {
     assert!(!AccessMode::SingleNodeWriter.is_multi_node());
 }
 
-// proves W6's default: acl is off unless the PillarProtocol turns it on
+// proves W6's default: the ACL is on unless the PillarProtocol turns it off
 #[test]
 fn protocol_defaults() {
     for value in [json!({}), json!({ "nvmeTcp": {} })] {
         let spec: PillarProtocolSpec = serde_json::from_value(value).unwrap();
         let t = spec.nvme_tcp;
         assert_eq!(t.port, 4420);
-        assert!(!t.acl);
+        assert!(t.acl);
         assert_eq!(t.ctrl_loss_tmo, 600);
         assert_eq!(t.reconnect_delay, 10);
         assert_eq!(t.fs_type.as_str(), "ext4");
@@ -154,7 +154,7 @@ fn protocol_defaults() {
     let props = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
         ["nvmeTcp"]["properties"];
     assert_eq!(props["port"]["default"], 4420);
-    assert_eq!(props["acl"]["default"], false);
+    assert_eq!(props["acl"]["default"], true);
     assert_eq!(props["ctrlLossTmo"]["default"], 600);
     assert_eq!(props["reconnectDelay"]["default"], 10);
     assert_eq!(props["fsType"]["default"], "ext4");
