@@ -13,7 +13,7 @@ use pillar_agent::hooks::HookPoint;
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::{ErrorReason, reason_of};
 use pillar_nvmet::{NamespaceId, VolumeId, observe};
-use support::{Agent, ENGINES, MIB, create_req, export_req, host, snapshot, token};
+use support::{Agent, ENGINES, MIB, create_req, export_req, host, token};
 use tonic::{Code, Request};
 
 fn nqn(volume: &str) -> String {
@@ -243,11 +243,7 @@ async fn a_failed_mark_write_changes_nothing() {
             .export(export_req("u1", 2, "vol-m", true, &[1]))
             .await
             .unwrap();
-        let before = (
-            snapshot(&a.dirs.state()),
-            snapshot(&a.dirs.pool()),
-            snapshot(&a.dirs.configfs()),
-        );
+        let before = a.snapshot();
         a.hooks.fail(HookPoint::MarkWrite);
         let c = &mut a.client;
         let failures = [
@@ -274,11 +270,7 @@ async fn a_failed_mark_write_changes_nothing() {
                 "{engine:?}: {status:?}"
             );
         }
-        let after = (
-            snapshot(&a.dirs.state()),
-            snapshot(&a.dirs.pool()),
-            snapshot(&a.dirs.configfs()),
-        );
+        let after = a.snapshot();
         assert_eq!(
             before, after,
             "{engine:?}: a change ran without its durable mark"

@@ -8,7 +8,7 @@ mod support;
 
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::{ErrorReason, reason_of};
-use support::{Agent, ENGINES, MIB, create_req, export_req, host, snapshot, token};
+use support::{Agent, ENGINES, MIB, create_req, export_req, host, token};
 use tonic::Code;
 
 const VOLUME: &str = "vol-f1";
@@ -175,11 +175,7 @@ async fn every_mutating_call_with_every_bad_token_is_refused_and_changes_nothing
         })
         .await
         .unwrap();
-        let before = (
-            snapshot(&a.dirs.state()),
-            snapshot(&a.dirs.pool()),
-            snapshot(&a.dirs.configfs()),
-        );
+        let before = a.snapshot();
         let mut rows = 0;
         for call in CALLS {
             for (what, tok, reason) in bad_tokens() {
@@ -189,11 +185,7 @@ async fn every_mutating_call_with_every_bad_token_is_refused_and_changes_nothing
                     (Code::FailedPrecondition, reason),
                     "{engine:?} {call:?} with {what} token"
                 );
-                let after = (
-                    snapshot(&a.dirs.state()),
-                    snapshot(&a.dirs.pool()),
-                    snapshot(&a.dirs.configfs()),
-                );
+                let after = a.snapshot();
                 assert!(
                     before == after,
                     "{engine:?} {call:?} with {what} token changed something"

@@ -7,7 +7,7 @@ mod support;
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::{ErrorReason, reason_of};
 use pillar_nvmet::{NamespaceId, NamespaceIdentity, VolumeId, derive_serial, observe};
-use support::{Agent, ENGINES, MIB, code, create_req, export_req, host, snapshot, token};
+use support::{Agent, ENGINES, MIB, code, create_req, export_req, host, token};
 use tonic::Code;
 
 fn nqn(volume: &str) -> String {
@@ -489,11 +489,7 @@ async fn malformed_requests_change_nothing() {
         let mut a = Agent::start(engine).await;
         a.serve_now().await;
         c_setup(&mut a).await;
-        let before = (
-            snapshot(&a.dirs.state()),
-            snapshot(&a.dirs.pool()),
-            snapshot(&a.dirs.configfs()),
-        );
+        let before = a.snapshot();
         let c = &mut a.client;
         for (volume, size) in [
             ("", MIB),
@@ -544,11 +540,7 @@ async fn malformed_requests_change_nothing() {
         let mut bad_acl_host = export_req("u1", 9, "base", true, &[]);
         bad_acl_host.allowed_host_nqns = vec!["nqn.bad".into()];
         assert_eq!(code(c.export(bad_acl_host).await), Code::InvalidArgument);
-        let after = (
-            snapshot(&a.dirs.state()),
-            snapshot(&a.dirs.pool()),
-            snapshot(&a.dirs.configfs()),
-        );
+        let after = a.snapshot();
         assert_eq!(before, after, "{engine:?}: nothing changed");
         c_teardown(&mut a).await;
     }

@@ -113,7 +113,24 @@ pub struct Agent {
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// Everything a request may change: the state directory (marks, identity records), the pool and
+/// the configfs tree, as [`snapshot`]s.
+pub type AgentSnapshot = (
+    Vec<(String, String)>,
+    Vec<(String, String)>,
+    Vec<(String, String)>,
+);
+
 impl Agent {
+    /// The agent's files now: compare two to prove a request changed nothing.
+    pub fn snapshot(&self) -> AgentSnapshot {
+        (
+            snapshot(&self.dirs.state()),
+            snapshot(&self.dirs.pool()),
+            snapshot(&self.dirs.configfs()),
+        )
+    }
+
     pub async fn start(engine: EngineKind) -> Self {
         Self::start_in(Dirs::new(), engine).await
     }
