@@ -115,7 +115,8 @@ fn describe(m: &[Mismatch]) -> String {
 }
 
 /// Compares the observed tree with `spec` (the effective state of an [`crate::ExportPlan`]):
-/// serial, ACL, each namespace's device path, identity and enable, and each port link.
+/// serial, ACL, each namespace's device path, identity and enable (enabled exactly while the
+/// ACL admits a host), and each port link.
 pub fn verify(observed: &TargetState, spec: &ExportSpec) -> Result<(), VerifyError> {
     let nqn = spec.nqn.as_str();
     let mut out = Vec::new();
@@ -171,7 +172,7 @@ pub fn verify(observed: &TargetState, spec: &ExportSpec) -> Result<(), VerifyErr
         );
         diff(
             format!("namespace {nsid} enable"),
-            "1".into(),
+            u8::from(spec.access.admits_a_host()).to_string(),
             u8::from(ns.enabled).to_string(),
         );
     }

@@ -79,6 +79,18 @@ pub enum HostAccess {
     Only(BTreeSet<HostNqn>),
 }
 
+impl HostAccess {
+    /// Whether any host may connect: any host, or at least one listed host. A subsystem that
+    /// admits nobody keeps its namespaces disabled (W7: a disabled namespace has no command in
+    /// flight and takes none).
+    pub fn admits_a_host(&self) -> bool {
+        match self {
+            Self::AnyHost => true,
+            Self::Only(hosts) => !hosts.is_empty(),
+        }
+    }
+}
+
 /// One namespace as pillar wants it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NamespaceSpec {

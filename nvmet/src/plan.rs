@@ -12,11 +12,15 @@
 //!   before `allow_any_host=1`;
 //! - removal runs in reverse: unlink from ports, disable and remove namespaces, unlink hosts,
 //!   remove the subsystem, then hosts no subsystem references and ports left empty;
-//! - a namespace grows through `revalidate_size`, never disable/enable.
+//! - a namespace grows through `revalidate_size`, never disable/enable;
+//! - a namespace is enabled only while its subsystem admits a host (W7): enabled before the
+//!   first host is linked, disabled after the last is unlinked. The kernel keeps the identity
+//!   and device of a disabled namespace, and returns from `enable=0` only once no command is in
+//!   flight on it, so a revoke that leaves nobody admitted is drained.
 //!
 //! Only subsystems with pillar's NQN prefix are ever planned for.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -127,6 +131,11 @@ pub enum PlanError {
     NoNamespace { nqn: String, nsid: NamespaceId },
     #[error("subsystem {nqn} does not exist")]
     NoSubsystem { nqn: String },
+    #[error(
+        "namespace {nsid} of {nqn} is disabled without a device or without the expected \
+         identity; it is not enabled for a host (an export repairs it)"
+    )]
+    NamespaceNotReady { nqn: String, nsid: NamespaceId },
 }
 
 fn subsys_dir(nqn: &str) -> PathBuf {
@@ -186,17 +195,10 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         }
     }
 
-    // 2. Host access, in the order the kernel accepts.
-    let host_ops = plan_access(
-        observed,
-        nqn,
-        current.allow_any_host,
-        &current.allowed_hosts,
-        &spec.access,
-    );
-    ops.extend(host_ops);
-
-    // 3. Namespaces: configure fully, then enable; never touch a live one's identity or device.
+    // 2. Namespaces: configure fully, then enable while some host is admitted; disable while
+    //    none is (W7). Never touch a live one's identity or device. Before the ACL changes, so
+    //    the first admitted host finds the namespace enabled when it connects.
+    let admitted = spec.access.admits_a_host();
     for (nsid, want) in &spec.namespaces {
         let dir = ns_dir(nqn, *nsid);
         match current.namespaces.get(nsid) {
@@ -222,6 +224,11 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                         ns.identity = live_id;
                     }
                 }
+                if !admitted {
+                    // The kernel returns from this write only when every command in flight
+                    // on the namespace has completed; identity and device stay configured.
+                    ops.push(write(dir.join("enable"), "0"));
+                }
             }
             found => {
                 if found.is_none() {
@@ -246,7 +253,9 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                         want.identity.nguid.to_string(),
                     ));
                 }
-                ops.push(write(dir.join("enable"), "1"));
+                if admitted {
+                    ops.push(write(dir.join("enable"), "1"));
+                }
             }
         }
     }
@@ -259,6 +268,16 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
             ops.push(Op::Rmdir { path: dir });
         }
     }
+
+    // 3. Host access, in the order the kernel accepts.
+    let host_ops = plan_access(
+        observed,
+        nqn,
+        current.allow_any_host,
+        &current.allowed_hosts,
+        &spec.access,
+    );
+    ops.extend(host_ops);
 
     // 4. Ports last: the subsystem becomes reachable only once fully configured.
     for (port, want) in &spec.ports {
@@ -309,16 +328,22 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
     })
 }
 
-/// Plans a change of the ACL of the live subsystem `nqn` to `access`, and nothing else.
+/// Plans a change of the ACL of the live subsystem `nqn` to `access`.
 ///
-/// The operations touch only the subsystem's `attr_allow_any_host` and `allowed_hosts/`, and
-/// host entries under `hosts/`: whatever the namespaces, serial or ports hold (a kernel-random
-/// identity, a zero NGUID, a port pillar did not expect), an ACL change cannot disable, remove
-/// or rewrite them.
+/// The operations touch the subsystem's `attr_allow_any_host` and `allowed_hosts/`, host
+/// entries under `hosts/`, and the `enable` of its namespaces: when the change admits a host
+/// and nobody was, each disabled namespace is enabled first (so the host finds it at connect);
+/// when it leaves nobody admitted, each enabled namespace is disabled last (W7: the kernel
+/// returns from that write only once no command is in flight on it, and takes no new one).
+/// Identity, device, serial and ports are never written: whatever they hold (a kernel-random
+/// identity, a zero NGUID, a port pillar did not expect) stays. A disabled namespace is enabled
+/// only when it has a device and shows exactly the identity `expected` names for it; otherwise
+/// the plan is refused (an export repairs it).
 pub fn plan_acl(
     observed: &TargetState,
     nqn: &SubsystemNqn,
     access: &HostAccess,
+    expected: &BTreeMap<NamespaceId, NamespaceIdentity>,
 ) -> Result<Vec<Op>, PlanError> {
     if !nqn.is_pillar() {
         return Err(PlanError::ForeignSubsystem {
@@ -331,14 +356,37 @@ pub fn plan_acl(
             nqn: nqn.to_string(),
         })?;
     let name = nqn.as_str();
-    let mut ops = plan_access(
+    let admitted = access.admits_a_host();
+    let mut ops = Vec::new();
+    for (nsid, ns) in &current.namespaces {
+        if admitted && !ns.enabled {
+            let shown = ns.shown_identity();
+            if ns.device_path.is_none() || shown.is_none() || shown != expected.get(nsid).copied() {
+                return Err(PlanError::NamespaceNotReady {
+                    nqn: name.to_owned(),
+                    nsid: *nsid,
+                });
+            }
+            ops.push(write(ns_dir(name, *nsid).join("enable"), "1"));
+        }
+    }
+    ops.extend(plan_access(
         observed,
         name,
         current.allow_any_host,
         &current.allowed_hosts,
         access,
-    );
+    ));
     push_host_cleanup(observed, name, &current.allowed_hosts, access, &mut ops);
+    if !admitted {
+        ops.extend(
+            current
+                .namespaces
+                .iter()
+                .filter(|(_, ns)| ns.enabled)
+                .map(|(nsid, _)| write(ns_dir(name, *nsid).join("enable"), "0")),
+        );
+    }
     Ok(ops)
 }
 

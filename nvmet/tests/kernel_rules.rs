@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::{Fixture, export, host, only, tcp_port};
@@ -331,9 +332,11 @@ fn planner_changes_acl_mode_in_the_legal_order_both_ways() {
     );
 }
 
-// proves W6, I3: an ACL change touches only the ACL, whatever identity the namespace shows.
+// proves W6, W7, I3: an ACL change never writes identity, device, serial or ports, whatever
+// identity the namespace shows; it disables the namespace when it leaves nobody admitted and
+// enables it again, with the identity it kept, when a host is admitted.
 #[test]
-fn acl_changes_leave_a_kernel_random_namespace_enabled_and_untouched() {
+fn acl_changes_keep_a_kernel_random_identity_and_enable_only_while_a_host_is_admitted() {
     let mut f = Fixture::new();
     // What nvmet leaves when nobody writes identity: the double, like the kernel, gives the
     // namespace a random UUID and an all-zero NGUID on mkdir.
@@ -361,6 +364,9 @@ fn acl_changes_leave_a_kernel_random_namespace_enabled_and_untouched() {
         ns_before.identity().is_none(),
         "no usable identity to rebuild a spec from"
     );
+    let shown: BTreeMap<_, _> = [(NamespaceId::VOLUME, ns_before.shown_identity().unwrap())]
+        .into_iter()
+        .collect();
 
     for access in [
         only(&[1]),
@@ -368,24 +374,39 @@ fn acl_changes_leave_a_kernel_random_namespace_enabled_and_untouched() {
         only(&[2]),
         HostAccess::AnyHost,
         only(&[]),
+        only(&[]),
+        only(&[1]),
+        only(&[]),
+        HostAccess::AnyHost,
     ] {
-        let ops = plan_acl(&f.state(), &nqn, &access).unwrap();
+        let ops = plan_acl(&f.state(), &nqn, &access, &shown).unwrap();
         for op in &ops {
             let p = op.path();
             let acl_only = p.starts_with("hosts")
                 || p.starts_with(format!("{S}/allowed_hosts"))
-                || p == Path::new(&format!("{S}/attr_allow_any_host"));
+                || p == Path::new(&format!("{S}/attr_allow_any_host"))
+                || p == Path::new(&format!("{S}/namespaces/1/enable"));
             assert!(acl_only, "{op} is not an ACL operation");
         }
         apply(&mut f.double, &ops).unwrap_or_else(|e| panic!("{access:?}: {e}"));
         verify_acl(&f.state(), &nqn, &access).unwrap();
-        assert!(plan_acl(&f.state(), &nqn, &access).unwrap().is_empty());
+        assert!(
+            plan_acl(&f.state(), &nqn, &access, &shown)
+                .unwrap()
+                .is_empty()
+        );
         let after = f.state();
         let sub = after.subsystem(&nqn).unwrap();
+        let ns = &sub.namespaces[&NamespaceId::VOLUME];
         assert_eq!(
-            sub.namespaces[&NamespaceId::VOLUME],
-            ns_before,
-            "namespace touched"
+            ns.enabled,
+            access.admits_a_host(),
+            "{access:?}: enabled exactly while a host is admitted"
+        );
+        assert_eq!(
+            (&ns.device_path, ns.uuid, ns.nguid),
+            (&ns_before.device_path, ns_before.uuid, ns_before.nguid),
+            "identity or device touched"
         );
         assert_eq!(sub.serial, before.subsystem(&nqn).unwrap().serial);
         assert_eq!(after.ports, before.ports, "ports touched");
@@ -395,11 +416,50 @@ fn acl_changes_leave_a_kernel_random_namespace_enabled_and_untouched() {
         plan_acl(
             &f.state(),
             &SubsystemNqn::parse("nqn.2026-11.io.pillar-csi:vol:absent").unwrap(),
-            &only(&[1])
+            &only(&[1]),
+            &shown,
         ),
         Err(PlanError::NoSubsystem {
             nqn: "nqn.2026-11.io.pillar-csi:vol:absent".into()
         })
+    );
+}
+
+// proves W7, I1: a disabled namespace that does not show the identity the caller expects (or
+// has no device) is never enabled by an ACL change: the grant is refused, nothing is written.
+#[test]
+fn a_grant_does_not_enable_a_namespace_showing_another_identity() {
+    let mut f = Fixture::new();
+    let spec = export("v1", &f.device.clone(), only(&[]), tcp_port(1, 4420));
+    f.export(&spec);
+    let ns = f.state().subsystems[spec.nqn.as_str()].namespaces[&NamespaceId::VOLUME].clone();
+    assert!(!ns.enabled, "exported to nobody: disabled");
+    let derived: BTreeMap<_, _> = spec
+        .namespaces
+        .iter()
+        .map(|(nsid, ns)| (*nsid, ns.identity))
+        .collect();
+    let other: BTreeMap<_, _> = [(
+        NamespaceId::VOLUME,
+        NamespaceIdentity::derive(
+            &SubsystemNqn::parse("nqn.2026-11.io.pillar-csi:vol:other").unwrap(),
+            NamespaceId::VOLUME,
+        ),
+    )]
+    .into_iter()
+    .collect();
+    assert_eq!(
+        plan_acl(&f.state(), &spec.nqn, &only(&[1]), &other),
+        Err(PlanError::NamespaceNotReady {
+            nqn: spec.nqn.to_string(),
+            nsid: NamespaceId::VOLUME
+        })
+    );
+    let ops = plan_acl(&f.state(), &spec.nqn, &only(&[1]), &derived).unwrap();
+    assert_eq!(
+        ops.first(),
+        Some(&write(&format!("{S}/namespaces/1/enable"), "1")),
+        "enabled before the first host is linked"
     );
 }
 
@@ -703,7 +763,12 @@ fn an_acl_change_keeps_live_controllers_and_the_cut_removes_them() {
     f.double.host_connects(&nqn, &h2, 1).unwrap();
     f.double.record_ops().unwrap();
 
-    let acl = plan_acl(&f.state(), &spec.nqn, &only(&[2])).unwrap();
+    let derived: BTreeMap<_, _> = spec
+        .namespaces
+        .iter()
+        .map(|(nsid, ns)| (*nsid, ns.identity))
+        .collect();
+    let acl = plan_acl(&f.state(), &spec.nqn, &only(&[2]), &derived).unwrap();
     apply(&mut f.double, &acl).unwrap();
     assert_eq!(
         f.double.controllers(&nqn).unwrap(),

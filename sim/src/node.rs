@@ -82,6 +82,7 @@ impl SimAgent {
             settings: AgentSettings {
                 nvme_address: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
                 kernel_random_identity: false,
+                unsafe_revoke_acl_only: false,
                 hooks: self.hooks.clone(),
             },
             tls: None,

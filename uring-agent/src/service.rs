@@ -23,9 +23,9 @@ use std::sync::Arc;
 
 use pillar_lock_by_id::{IdGuard, LockById};
 use pillar_nvmet::{
-    ExportSpec, HostAccess, HostNqn, NamespaceId, PortId, PortSpec, SubsystemNqn, VolumeId,
-    plan_acl, plan_cut_connections, plan_export, plan_revalidate, plan_unexport, verify,
-    verify_acl, volume_export,
+    ExportSpec, HostAccess, HostNqn, NamespaceId, NamespaceIdentity, PortId, PortSpec,
+    SubsystemNqn, VolumeId, plan_acl, plan_cut_connections, plan_export, plan_revalidate,
+    plan_unexport, verify, verify_acl, volume_export,
 };
 use tokio::sync::RwLock;
 
@@ -154,6 +154,9 @@ pub struct AgentSettings {
     /// Test-only: leave namespace identity and serial to the kernel (random), to show what
     /// stable identity prevents. Never for production.
     pub kernel_random_identity: bool,
+    /// Test-only: a revoke only removes the host from the ACL (no namespace drain, no cut of
+    /// live connections), to show what W7 prevents. Never for production.
+    pub unsafe_revoke_acl_only: bool,
     /// Test hooks; inert unless a `fault-injection` build arms them.
     pub hooks: Hooks,
 }
@@ -556,13 +559,19 @@ impl Agent {
             hosts.remove(host);
         }
         let access = HostAccess::Only(hosts);
-        let ops = plan_acl(&state, &nqn, &access).map_err(|source| AgentError::Plan {
-            volume: volume.to_string(),
-            source,
-        })?;
+        let expected = self.expected_identities(volume, sub)?;
+        let ops =
+            plan_acl(&state, &nqn, &access, &expected).map_err(|source| AgentError::Plan {
+                volume: volume.to_string(),
+                source,
+            })?;
+        let acl_only = intent == Intent::Revoke && self.settings.unsafe_revoke_acl_only;
+        let ops = if acl_only { strip_enable(ops) } else { ops };
         self.commit(volume, decision).await?;
+        // A revoke that leaves nobody admitted ends with the namespace disabled: the kernel
+        // returns from that write only once every command in flight on it has completed.
         self.target.apply(&guard, ops).await?;
-        if intent == Intent::Revoke {
+        if intent == Intent::Revoke && !acl_only {
             // Removing the host from allowed_hosts stops new connections only; unlinking the
             // subsystem from its ports deletes its controllers, and only allowed hosts reconnect.
             let cut = plan_cut_connections(&self.target.observe(&guard).await?, &nqn);
@@ -571,6 +580,32 @@ impl Agent {
         verify_acl(&self.target.observe(&guard).await?, &nqn, &access)?;
         tracing::info!(%volume, %host, ?intent, "ACL changed");
         Ok(())
+    }
+
+    /// The identity each namespace of `volume` must show before a grant enables it: the
+    /// adopted identity on record, else the derived one; in the test-only kernel-random mode,
+    /// whatever the namespace shows.
+    fn expected_identities(
+        &self,
+        volume: &VolumeId,
+        sub: &pillar_nvmet::SubsystemState,
+    ) -> Result<BTreeMap<NamespaceId, NamespaceIdentity>, AgentError> {
+        if self.settings.kernel_random_identity {
+            return Ok(sub
+                .namespaces
+                .iter()
+                .filter_map(|(nsid, ns)| Some((*nsid, ns.shown_identity()?)))
+                .collect());
+        }
+        let mut spec = volume_export(volume, "", HostAccess::AnyHost, BTreeMap::new());
+        if let Some(record) = self.target.identity_record(volume)? {
+            apply_record(&mut spec, &record);
+        }
+        Ok(spec
+            .namespaces
+            .into_iter()
+            .map(|(nsid, ns)| (nsid, ns.identity))
+            .collect())
     }
 
     /// Applies the controller's complete export state of this node, then starts serving.
@@ -686,6 +721,16 @@ fn record_of(effective: &ExportSpec) -> IdentityRecord {
         nguid: ns.map(|n| n.identity.nguid.to_string()).unwrap_or_default(),
         serial: effective.serial.to_string(),
     }
+}
+
+/// Drops namespace enable/disable writes from a plan (the test-only ACL-only revoke).
+fn strip_enable(ops: Vec<pillar_nvmet::Op>) -> Vec<pillar_nvmet::Op> {
+    ops.into_iter()
+        .filter(|op| {
+            !matches!(op, pillar_nvmet::Op::Write { path, .. }
+                if path.file_name().is_some_and(|n| n == "enable"))
+        })
+        .collect()
 }
 
 /// Drops identity writes from a plan (the test-only kernel-random mode).

@@ -106,7 +106,10 @@ async fn a_cancelled_export_finishes_under_its_lock_before_a_newer_revoke() {
             "{engine:?}: host 1 still admitted after its confirmed revoke: {:?}",
             sub.allowed_hosts
         );
-        assert!(sub.namespaces[&NamespaceId::VOLUME].enabled);
+        assert!(
+            !sub.namespaces[&NamespaceId::VOLUME].enabled,
+            "{engine:?}: nobody admitted, yet the namespace is enabled (W7: drained)"
+        );
         assert_eq!(mark_generation(&a, "vol-c"), 3);
     }
 }

@@ -726,3 +726,111 @@ async fn a_revoke_cuts_the_live_connection_of_the_revoked_host() {
         c.delete_volume(delete("u1", 5, "vol-w7")).await.unwrap();
     }
 }
+
+// proves W7 at the agent: a revoke that leaves nobody admitted is drained. After the ACL change
+// the agent disables the namespace (the kernel returns from `enable=0` only once no command is in
+// flight on it, and a disabled namespace takes none), then cuts the connections. Identity and
+// device stay configured, so the next grant enables the namespace again, before it links the
+// host, and hosts see the same identity. A revoke that leaves a host admitted does not disable it.
+#[tokio::test]
+async fn a_revoke_of_the_last_host_drains_the_namespace_and_a_grant_restores_it() {
+    use pillar_nvmet::{ConfigfsDouble, Op};
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        let c = &mut a.client;
+        c.create_volume(create_req("u1", 1, "vol-dr", 16 * MIB))
+            .await
+            .unwrap();
+        c.export(export_req("u1", 2, "vol-dr", true, &[1, 2]))
+            .await
+            .unwrap();
+        let n = nqn("vol-dr");
+        let ns_enable = format!("subsystems/{n}/namespaces/1/enable");
+        let port_link = format!("ports/4420/subsystems/{n}");
+        let namespace = || {
+            observe(&a.dirs.configfs()).unwrap().subsystems[&n].namespaces[&NamespaceId::VOLUME]
+                .clone()
+        };
+        let before = namespace();
+        assert!(before.enabled);
+        let double = ConfigfsDouble::create(a.dirs.configfs()).unwrap();
+        double.host_connects(&n, &host(1), 4420).unwrap();
+        double.record_ops().unwrap();
+
+        // Host 2 leaves, host 1 stays admitted: no drain.
+        c.revoke_initiator(revoke("u1", 3, "vol-dr", 2))
+            .await
+            .unwrap();
+        assert!(
+            !double
+                .recorded_ops()
+                .unwrap()
+                .iter()
+                .any(|op| op.path() == std::path::Path::new(&ns_enable)),
+            "{engine:?}: a host stays admitted; the namespace must stay enabled"
+        );
+        assert!(namespace().enabled, "{engine:?}");
+        double.host_connects(&n, &host(1), 4420).unwrap();
+        double.record_ops().unwrap();
+
+        // The last host leaves: ACL, then the drain, then the cut.
+        c.revoke_initiator(revoke("u1", 4, "vol-dr", 1))
+            .await
+            .unwrap();
+        assert_eq!(
+            double.recorded_ops().unwrap(),
+            vec![
+                Op::Unlink {
+                    path: format!("subsystems/{n}/allowed_hosts/{}", host(1)).into()
+                },
+                Op::Rmdir {
+                    path: format!("hosts/{}", host(1)).into()
+                },
+                Op::Write {
+                    path: ns_enable.clone().into(),
+                    value: "0".into()
+                },
+                Op::Unlink {
+                    path: port_link.clone().into()
+                },
+                Op::Symlink {
+                    target: format!("subsystems/{n}").into(),
+                    link: port_link.clone().into()
+                },
+            ],
+            "{engine:?}"
+        );
+        let drained = namespace();
+        assert!(!drained.enabled, "{engine:?}");
+        assert_eq!(
+            (drained.device_path, drained.uuid, drained.nguid),
+            (before.device_path.clone(), before.uuid, before.nguid),
+            "{engine:?}: identity and device stay configured"
+        );
+        assert!(double.controllers(&n).unwrap().is_empty(), "{engine:?}");
+
+        // A grant enables it again, before the host is linked.
+        double.record_ops().unwrap();
+        c.grant_initiator(grant("u1", 5, "vol-dr", 2))
+            .await
+            .unwrap();
+        assert_eq!(
+            double.recorded_ops().unwrap().first(),
+            Some(&Op::Write {
+                path: ns_enable.clone().into(),
+                value: "1".into()
+            }),
+            "{engine:?}"
+        );
+        assert_eq!(
+            namespace(),
+            before,
+            "{engine:?}: same namespace as before the drain"
+        );
+        double.host_connects(&n, &host(2), 4420).unwrap();
+
+        c.unexport(unexport("u1", 6, "vol-dr")).await.unwrap();
+        c.delete_volume(delete("u1", 7, "vol-dr")).await.unwrap();
+    }
+}

@@ -149,6 +149,7 @@ pub async fn start(
                 .parse()
                 .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into()),
             kernel_random_identity: false,
+            unsafe_revoke_acl_only: false,
             hooks: Default::default(),
         },
         tls: None,

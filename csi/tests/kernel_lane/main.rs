@@ -34,6 +34,10 @@
 //! 7. online expansion (host sees the new size, filesystem grows) and volume stats
 //! 8. the LVM backends (linear and thin) on device-mapper: extent rounding, the `pillar` tag,
 //!    export of the LV, I/O, online expansion, shrink refused, delete; foreign LVs untouched
+//! 9. force-detach from a lost node (W7): after ControllerUnpublish returns no write of the old
+//!    node reaches the device (a marker written then stays intact), its writes fail or hang, and
+//!    the new node mounts a clean filesystem with every write the old one had acknowledged; its
+//!    control (an ACL-only revoke) shows the marker overwritten
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers),
@@ -53,3 +57,5 @@ mod s5_one_writer;
 mod s6_stale_revoke_rejected;
 mod s7_online_expansion_and_stats;
 mod s8_lvm_backends;
+mod s9_control_acl_only_revoke;
+mod s9_force_detach;

@@ -6,8 +6,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use pillar_csi::csi;
-
 use tonic::Code;
 
 use crate::harness::MIB;
@@ -17,7 +15,7 @@ use crate::harness::checks::{
 use crate::harness::data::{DataSet, pattern};
 use crate::harness::gate::{Scenario, in_lane};
 use crate::harness::kmsg::needles::not_allowed;
-use crate::harness::lab::{Lab, NodePlugin, Staged, host_paths, nqn_of};
+use crate::harness::lab::{Lab, host_paths, node_teardown, nqn_of};
 
 /// Scenario 5: one writer. With `acl: true` a second host identity in the same guest cannot
 /// publish or connect while the volume is published RWO to the first; after unpublish from the
@@ -198,34 +196,4 @@ fn file_has_block(path: &Path, block: &[u8]) -> bool {
             return false;
         }
     }
-}
-
-/// NodeUnpublish + NodeUnstage on `node`, each within 60 s.
-async fn node_teardown(node: &mut NodePlugin, s: &Staged) {
-    let limit = Duration::from_secs(60);
-    tokio::time::timeout(
-        limit,
-        node.client
-            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: s.volume.clone(),
-                target_path: s.target.display().to_string(),
-            }),
-    )
-    .await
-    .expect("NodeUnpublishVolume answers")
-    .expect("NodeUnpublishVolume");
-    tokio::time::timeout(
-        limit,
-        node.client
-            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: s.volume.clone(),
-                staging_target_path: s.staging.display().to_string(),
-            }),
-    )
-    .await
-    .expect("NodeUnstageVolume answers")
-    .expect("NodeUnstageVolume");
-    assert!(pillar_host::find_mount(&s.staging).unwrap().is_none());
-    assert!(pillar_host::find_mount(&s.target).unwrap().is_none());
-    assert!(host_controllers(&s.volume, &node.host_nqn).is_empty());
 }

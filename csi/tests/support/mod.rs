@@ -97,6 +97,7 @@ impl AgentUnderTest {
             settings: AgentSettings {
                 nvme_address: "127.0.0.1".parse().unwrap(),
                 kernel_random_identity: false,
+                unsafe_revoke_acl_only: false,
                 hooks: self.hooks.clone(),
             },
             tls: None,

@@ -71,6 +71,10 @@ struct Args {
     /// identity prevents; never use it for real volumes.
     #[arg(long, hide = true)]
     unsafe_kernel_random_identity: bool,
+    /// TEST ONLY: a revoke only removes the host from the ACL, without draining the namespace or
+    /// cutting live connections. Shows what a fenced revoke prevents; never use it for real volumes.
+    #[arg(long, hide = true)]
+    unsafe_revoke_acl_only: bool,
 }
 
 fn parse_pool(s: &str) -> Result<PoolConfig, String> {
@@ -144,6 +148,7 @@ async fn main() -> anyhow::Result<()> {
         settings: AgentSettings {
             nvme_address: args.nvme_address,
             kernel_random_identity: args.unsafe_kernel_random_identity,
+            unsafe_revoke_acl_only: args.unsafe_revoke_acl_only,
             hooks: Default::default(),
         },
         tls,

@@ -70,6 +70,7 @@ impl Dirs {
             settings: AgentSettings {
                 nvme_address: "127.0.0.1".parse().unwrap(),
                 kernel_random_identity: false,
+                unsafe_revoke_acl_only: false,
                 hooks: Default::default(),
             },
             tls: None,

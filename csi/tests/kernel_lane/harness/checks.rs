@@ -136,8 +136,9 @@ pub(crate) fn configfs_identity(volume: &str) -> (String, String, String) {
     )
 }
 
-/// The configfs export of `volume` as pillar promises it: derived identity and serial, enabled,
-/// linked to the TCP port on 127.0.0.1, allowed hosts exactly `hosts` (acl).
+/// The configfs export of `volume` as pillar promises it: derived identity and serial, enabled
+/// exactly while a host is admitted, linked to the TCP port on 127.0.0.1, allowed hosts exactly
+/// `hosts` (acl).
 pub(crate) fn check_configfs_export(volume: &str, hosts: &[&HostNqn]) {
     let nqn = nqn_of(volume);
     let sub = Path::new(NVMET).join("subsystems").join(nqn.as_str());
@@ -151,10 +152,13 @@ pub(crate) fn check_configfs_export(volume: &str, hosts: &[&HostNqn]) {
         derive_serial(&nqn).to_string(),
         "configfs attr_serial"
     );
+    // W7: enabled exactly while a host is admitted; a disabled namespace keeps its identity.
+    let enabled = if hosts.is_empty() { "0" } else { "1" };
     assert_eq!(
         read_attr(&sub.join("namespaces/1/enable")),
-        "1",
-        "namespace enabled"
+        enabled,
+        "namespace enable while {} host(s) are admitted",
+        hosts.len()
     );
     assert_eq!(
         read_attr(&sub.join("attr_allow_any_host")),
@@ -177,7 +181,7 @@ pub(crate) fn check_configfs_export(volume: &str, hosts: &[&HostNqn]) {
         "subsystem not linked to port {PORT}"
     );
     println!(
-        "  configfs: {} enabled, uuid {uuid}, nguid {nguid}, serial {serial}, allowed_hosts {want_hosts:?}, port {PORT}",
+        "  configfs: {} enable={enabled}, uuid {uuid}, nguid {nguid}, serial {serial}, allowed_hosts {want_hosts:?}, port {PORT}",
         nqn
     );
 }

@@ -91,6 +91,11 @@ impl Lab {
     /// A clean machine and a fresh directory; the store holds the PillarAgent and the
     /// PillarProtocol (acl as given) before the controller starts.
     pub(crate) async fn new(name: &str, acl: bool) -> Self {
+        Self::with_ctrl_loss_tmo(name, acl, CTRL_LOSS_TMO).await
+    }
+
+    /// [`Lab::new`] with the PillarProtocol's `ctrl_loss_tmo` set to `ctrl_loss_tmo` seconds.
+    pub(crate) async fn with_ctrl_loss_tmo(name: &str, acl: bool, ctrl_loss_tmo: i32) -> Self {
         reset_machine();
         assert!(
             nvmet_is_empty(),
@@ -128,7 +133,7 @@ impl Lab {
                         nvme_tcp: NvmeTcp {
                             port: PORT,
                             acl,
-                            ctrl_loss_tmo: CTRL_LOSS_TMO,
+                            ctrl_loss_tmo,
                             reconnect_delay: RECONNECT_DELAY,
                             ..NvmeTcp::default()
                         },
@@ -613,4 +618,34 @@ impl Drop for Lab {
         }
         reset_machine();
     }
+}
+
+/// NodeUnpublish + NodeUnstage on `node`, each within 60 s.
+pub(crate) async fn node_teardown(node: &mut NodePlugin, s: &Staged) {
+    let limit = Duration::from_secs(60);
+    tokio::time::timeout(
+        limit,
+        node.client
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                volume_id: s.volume.clone(),
+                target_path: s.target.display().to_string(),
+            }),
+    )
+    .await
+    .expect("NodeUnpublishVolume answers")
+    .expect("NodeUnpublishVolume");
+    tokio::time::timeout(
+        limit,
+        node.client
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: s.volume.clone(),
+                staging_target_path: s.staging.display().to_string(),
+            }),
+    )
+    .await
+    .expect("NodeUnstageVolume answers")
+    .expect("NodeUnstageVolume");
+    assert!(pillar_host::find_mount(&s.staging).unwrap().is_none());
+    assert!(pillar_host::find_mount(&s.target).unwrap().is_none());
+    assert!(host_controllers(&s.volume, &node.host_nqn).is_empty());
 }

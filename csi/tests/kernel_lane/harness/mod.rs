@@ -8,6 +8,7 @@ pub(crate) mod kmsg;
 pub(crate) mod lab;
 pub(crate) mod machine;
 pub(crate) mod process;
+pub(crate) mod seqlog;
 
 use std::time::Duration;
 
