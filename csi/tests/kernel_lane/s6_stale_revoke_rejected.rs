@@ -11,14 +11,16 @@ use sha2::{Digest, Sha256};
 use tonic::Code;
 
 use crate::harness::checks::{
-    blocked_write_probe, check_configfs_export, connect_opts, host_controllers, host_device, token,
+    blocked_write_probe, check_configfs_export, connect_opts, delete_host_controllers,
+    host_controllers, host_device, token,
 };
 use crate::harness::data::pattern;
 use crate::harness::gate::{Scenario, in_lane};
 use crate::harness::kmsg::needles::{IDENTIFIERS_CHANGED, not_allowed};
 use crate::harness::lab::{Lab, host_paths, nqn_of};
 use crate::harness::machine::{drop_caches, nvmet_is_empty};
-use crate::harness::{ETC_HOSTID, ETC_HOSTNQN, MIB, POOL, PORT};
+use crate::harness::seqlog::SeqWriter;
+use crate::harness::{ETC_HOSTID, ETC_HOSTNQN, MIB, POOL, PORT, RECONNECT_DELAY, SECOND_HOSTID};
 
 /// Scenario 6: a revoke carrying an older generation, sent after a newer grant, is rejected
 /// (FAILED_PRECONDITION) and the grant stays in configfs: the host still connects and does I/O.
@@ -151,16 +153,44 @@ async fn s6_stale_revoke_rejected() {
         ctrl.name, dev.name
     ));
 
+    // A second host stays admitted through the revoke of the first: the cut drops its controller
+    // too, it reconnects by itself after reconnect_delay, and its I/O only pauses.
+    let host_b: HostNqn = format!("nqn.2014-08.org.nvmexpress:uuid:{SECOND_HOSTID}")
+        .parse()
+        .unwrap();
+    agent
+        .grant_initiator(agent_api::GrantInitiatorRequest {
+            token: token(uid, 5),
+            volume_id: vol.into(),
+            host_nqn: host_b.to_string(),
+        })
+        .await
+        .expect("GrantInitiator for the second host");
+    pillar_host::connect(
+        &host_paths(),
+        &connect_opts(vol, &host_b, SECOND_HOSTID.parse().unwrap()),
+    )
+    .expect("the second host connects");
+    let dev_b = host_device(vol, &host_b);
+    let writer_b = SeqWriter::start(&dev_b.dev_path, 32 * MIB, 4096);
+    while writer_b.log().acks.len() < 20 {
+        let log = writer_b.log();
+        assert!(log.failed().is_none(), "host B's writer: {:?}", log.failed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
     let k1 = lab.kmsg.mark();
+    let revoke_sent = Instant::now();
     agent
         .revoke_initiator(agent_api::RevokeInitiatorRequest {
-            token: token(uid, 5),
+            token: token(uid, 6),
             volume_id: vol.into(),
             host_nqn: host.to_string(),
         })
         .await
         .expect("the current revoke");
-    check_configfs_export(vol, &[]);
+    let revoked = Instant::now();
+    check_configfs_export(vol, &[&host_b]);
     let start = Instant::now();
     lab.kmsg.expect(
         k1,
@@ -193,14 +223,47 @@ async fn s6_stale_revoke_rejected() {
             .collect::<Vec<_>>()
     );
     sc.step(&format!(
-        "revoke at generation 5: host removed from the ACL, its connection cut and its reconnect \
-         refused ({:.1}s); its writes do not reach the target",
+        "revoke at generation 6 ({:.0} ms): host removed from the ACL, its connection cut and its \
+         reconnect refused ({:.1}s); its writes do not reach the target",
+        (revoked - revoke_sent).as_secs_f64() * 1000.0,
         refused.as_secs_f64()
     ));
 
+    // Host B: its writes resume by themselves, without an error; how long they paused.
+    let start = Instant::now();
+    while !writer_b
+        .log()
+        .acks
+        .iter()
+        .any(|(_, t)| *t > revoked + Duration::from_millis(200))
+    {
+        let log = writer_b.log();
+        assert!(
+            log.failed().is_none(),
+            "host B, still admitted, saw a write fail: {:?}",
+            log.failed()
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "host B's writes did not resume within 60 s of the revoke: {log:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    writer_b.stop();
+    let log_b = writer_b.log();
+    assert!(log_b.failed().is_none(), "host B: {:?}", log_b.failed());
+    let (gap, after) = log_b.longest_gap().expect("host B acknowledged writes");
+    sc.step(&format!(
+        "host B, still admitted, reconnected by itself: its writes paused {:.2} s at most (record \
+         {after}; reconnect_delay {RECONNECT_DELAY} s), none failed; {} acknowledged",
+        gap.as_secs_f64(),
+        log_b.acks.len()
+    ));
+    delete_host_controllers(vol, &host_b);
+
     agent
         .unexport(agent_api::UnexportRequest {
-            token: token(uid, 6),
+            token: token(uid, 7),
             volume_id: vol.into(),
         })
         .await
@@ -225,7 +288,7 @@ async fn s6_stale_revoke_rejected() {
     );
     agent
         .delete_volume(agent_api::DeleteVolumeRequest {
-            token: token(uid, 7),
+            token: token(uid, 8),
             volume_id: vol.into(),
             pool: POOL.into(),
         })

@@ -61,7 +61,7 @@ pub(crate) async fn force_detach(sc: Scenario, fenced: bool) {
     let start = Instant::now();
     while writer.log().acks.len() < 50 {
         let log = writer.log();
-        assert!(log.failed.is_none(), "writer failed: {:?}", log.failed);
+        assert!(log.failed().is_none(), "writer failed: {:?}", log.failed());
         assert!(
             start.elapsed() < Duration::from_secs(60),
             "the writer acknowledged {} records in 60 s",
@@ -106,8 +106,7 @@ pub(crate) async fn force_detach(sc: Scenario, fenced: bool) {
         "  after {WATCH:?}: marker records overwritten {}, A's acknowledgements after the unpublish \
          returned {late_acks:?}, A's first failure {:?}, in flight {:?}",
         overwritten.len(),
-        log.failed
-            .as_ref()
+        log.failed()
             .map(|(s, t, e)| format!("record {s} at +{:.0} ms: {e}", ms(*t - returned))),
         log.in_flight
             .map(|(s, t)| format!("record {s} since +{:.0} ms", signed_ms(t, returned))),
@@ -147,27 +146,38 @@ pub(crate) async fn force_detach(sc: Scenario, fenced: bool) {
         RECORDS - first
     ));
 
-    // (b) How A's writes end: failed, or hung until ctrl_loss_tmo.
+    // (b) How A's writes end: failed, or hung until ctrl_loss_tmo. The writer goes on to the
+    // next record after a failure: the first failure shows how a write in flight at the cut
+    // ends, the second how long a write issued after it waits.
     let limit = Duration::from_secs(u64::try_from(CTRL_LOSS_TMO).unwrap() + 30);
-    while writer.log().failed.is_none() && returned.elapsed() < limit {
+    while writer.log().failures.len() < 2 && returned.elapsed() < limit {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let log = writer.log();
-    let (seq, at, err) = log
-        .failed
-        .clone()
-        .unwrap_or_else(|| panic!("A's writes neither failed nor ended within {limit:?}: {log:?}"));
-    let hung_since = log.acks.last().map_or(returned, |(_, t)| *t);
+    assert!(
+        log.failures.len() >= 2,
+        "A's writes did not fail twice within {limit:?} of the unpublish: {log:?}"
+    );
+    let since = |t: Instant| signed_ms(t, returned) / 1000.0;
+    let (s1, t1, e1) = &log.failures[0];
+    let (s2, t2, e2) = &log.failures[1];
     sc.step(&format!(
-        "(b) A's write of record {seq} failed {:.1} s after ControllerUnpublish returned \
-         (its last acknowledgement at {:+.1} s; ctrl_loss_tmo {CTRL_LOSS_TMO} s): {err}",
-        (at - returned).as_secs_f64(),
-        signed_ms(hung_since, returned) / 1000.0
+        "(b) A's writes fail: record {s1} at {:+.2} s from ControllerUnpublish's return ({e1}), \
+         the next one, record {s2}, at {:+.2} s ({e2}); ctrl_loss_tmo {CTRL_LOSS_TMO} s, \
+         reconnect_delay 1 s",
+        since(*t1),
+        since(*t2),
     ));
     assert!(
         overwritten_markers(&backing, &extents, first).is_empty(),
         "A's writes reached the device before they failed"
     );
+    writer.stop();
+    // Nodes A and B share this guest's kernel, whose NVMe host refuses a second controller
+    // with the same controller ID in one subsystem ("Duplicate cntlid"): the target hands B the
+    // ID A's cut controller had. A lost node's controller lives on its own machine; remove it
+    // from this one before B connects.
+    delete_host_controllers(vol, &a.host_nqn);
 
     // (c) Node B takes over.
     let sb = lab.attach(&mut ctl, &mut b, vol).await;
@@ -189,8 +199,7 @@ pub(crate) async fn force_detach(sc: Scenario, fenced: bool) {
         acked + 1
     ));
     lab.detach(&mut ctl, &mut b, &sb).await;
-    // Node A comes back (or is cleaned up): its controller is gone or deleted, its mounts go.
-    delete_host_controllers(vol, &a.host_nqn);
+    // Node A comes back: its controller is gone, its mounts go.
     node_teardown(&mut a, &sa).await;
     let fsck = Command::new("e2fsck")
         .args(["-f", "-n"])
@@ -227,15 +236,25 @@ fn marker(seq: u64) -> Vec<u8> {
     m
 }
 
-/// Writes the marker over records `first..RECORDS` straight into the backing file, durably.
+/// Writes the marker over records `first..RECORDS` straight into the backing file, durably: one
+/// write per run of records that are contiguous on the device, so it takes milliseconds (a write
+/// of A landing before the marker covers its place would go unseen).
 fn write_markers(backing: &Path, extents: &[Extent], first: u64) {
     let f = OpenOptions::new()
         .write(true)
         .open(backing)
         .expect("open the backing file");
-    for seq in first..RECORDS {
-        f.write_all_at(&marker(seq), physical_of(extents, seq))
-            .expect("write a marker");
+    let mut seq = first;
+    while seq < RECORDS {
+        let at = physical_of(extents, seq);
+        let mut run = marker(seq);
+        let mut next = seq + 1;
+        while next < RECORDS && physical_of(extents, next) == at + (next - seq) * RECORD as u64 {
+            run.extend_from_slice(&marker(next));
+            next += 1;
+        }
+        f.write_all_at(&run, at).expect("write markers");
+        seq = next;
     }
     f.sync_data().expect("sync the backing file");
 }

@@ -2,7 +2,7 @@
 //! written with O_DIRECT and `fdatasync` in place over a file whose blocks were allocated and
 //! written before, so each record is pure data I/O at a known place of the backing file (its
 //! physical offset, read with FIEMAP). The writer keeps the time of every acknowledgement and of
-//! its first failure, and which record is in flight, so a test can tell which writes the host
+//! its first failures, and which record is in flight, so a test can tell which writes the host
 //! had acknowledged when, and whether a later one ever reached the device.
 
 use std::fs::{File, OpenOptions};
@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use super::data::pattern;
 
 pub(crate) const RECORD: usize = 4096;
+pub(crate) const MAX_FAILURES: usize = 3;
 const MAGIC: &[u8; 8] = b"PILLSEQ\0";
 
 /// Record `seq` as the writer writes it: magic, sequence number, then a pattern of `seq`.
@@ -85,14 +86,28 @@ pub(crate) fn physical_of(extents: &[Extent], seq: u64) -> u64 {
 pub(crate) struct SeqLog {
     /// (sequence number, when its fdatasync returned), in order.
     pub(crate) acks: Vec<(u64, Instant)>,
-    /// The first failure: sequence number, when, the error.
-    pub(crate) failed: Option<(u64, Instant, String)>,
+    /// Failed writes, in order: sequence number, when, the error. After a failure the writer
+    /// tries the next record, up to [`MAX_FAILURES`] failures.
+    pub(crate) failures: Vec<(u64, Instant, String)>,
     /// The record being written and since when (None between records and once stopped).
     pub(crate) in_flight: Option<(u64, Instant)>,
     pub(crate) done: bool,
 }
 
 impl SeqLog {
+    /// The first failed write.
+    pub(crate) fn failed(&self) -> Option<&(u64, Instant, String)> {
+        self.failures.first()
+    }
+
+    /// The longest time between two acknowledgements, and the record after that gap.
+    pub(crate) fn longest_gap(&self) -> Option<(Duration, u64)> {
+        self.acks
+            .windows(2)
+            .map(|w| (w[1].1 - w[0].1, w[1].0))
+            .max_by_key(|(gap, _)| *gap)
+    }
+
     /// The last record acknowledged strictly before `t`.
     pub(crate) fn last_acked_before(&self, t: Instant) -> Option<u64> {
         self.acks
@@ -124,6 +139,12 @@ impl SeqWriter {
             .expect("write and sync the log file");
         let ext = extents(&f);
         drop(f);
+        (Self::start(path, 0, records), ext)
+    }
+
+    /// Starts the writer on records `0..records` at byte offset `base` of an existing `path` (a
+    /// file or a block device).
+    pub(crate) fn start(path: &Path, base: u64, records: u64) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let log = Arc::new(Mutex::new(SeqLog::default()));
         let (s, l, p) = (Arc::clone(&stop), Arc::clone(&log), path.to_owned());
@@ -140,7 +161,7 @@ impl SeqWriter {
                 Ok(f) => f,
                 Err(e) => {
                     let mut g = l.lock().unwrap();
-                    g.failed = Some((0, Instant::now(), format!("open: {e}")));
+                    g.failures.push((0, Instant::now(), format!("open: {e}")));
                     g.done = true;
                     return;
                 }
@@ -152,7 +173,7 @@ impl SeqWriter {
                 buf.copy_from_slice(&record(seq));
                 l.lock().unwrap().in_flight = Some((seq, Instant::now()));
                 let r = f
-                    .write_all_at(buf, seq * RECORD as u64)
+                    .write_all_at(buf, base + seq * RECORD as u64)
                     .and_then(|()| f.sync_data());
                 let now = Instant::now();
                 let mut g = l.lock().unwrap();
@@ -160,8 +181,10 @@ impl SeqWriter {
                 match r {
                     Ok(()) => g.acks.push((seq, now)),
                     Err(e) => {
-                        g.failed = Some((seq, now, e.to_string()));
-                        break;
+                        g.failures.push((seq, now, e.to_string()));
+                        if g.failures.len() >= MAX_FAILURES {
+                            break;
+                        }
                     }
                 }
                 drop(g);
@@ -169,7 +192,7 @@ impl SeqWriter {
             }
             l.lock().unwrap().done = true;
         });
-        (Self { stop, log }, ext)
+        Self { stop, log }
     }
 
     pub(crate) fn log(&self) -> SeqLog {
