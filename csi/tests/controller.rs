@@ -6,6 +6,7 @@ mod support;
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_csi::csi;
+use pillar_state::condition::{ACL_DISABLED, ConditionStatus, find_condition};
 use pillar_state::faults::VolumeWrite;
 use pillar_state::store::Revision;
 use support::{
@@ -812,4 +813,240 @@ async fn one_bad_record_does_not_stall_the_node_and_failed_exports_are_retried()
         .unwrap()
         .into_inner();
     assert!(health.unrestored_volume_ids.is_empty());
+}
+
+/// The volume's `AclDisabled` condition: (status, reason, lastTransitionTime).
+async fn acl_condition(env: &Env, volume: &str) -> Option<(ConditionStatus, String, String)> {
+    let v = env.store.get_volume(volume).await.unwrap().unwrap();
+    find_condition(&v.status_or_default().conditions, ACL_DISABLED)
+        .map(|c| (c.status, c.reason.clone(), c.last_transition_time.clone()))
+}
+
+/// Stamps the stored `AclDisabled` condition with a transition time no controller write would
+/// produce, through a write of its own (an unrelated status update), so a later write that
+/// re-stamped it could not hide within the same second.
+async fn backdate_acl_condition(env: &Env, volume: &str) -> String {
+    const LONG_AGO: &str = "2000-01-01T00:00:00Z";
+    let v = env.store.get_volume(volume).await.unwrap().unwrap();
+    let mut status = v.status_or_default();
+    for c in &mut status.conditions {
+        if c.type_ == ACL_DISABLED {
+            c.last_transition_time = LONG_AGO.into();
+        }
+    }
+    env.store
+        .replace_volume_status(volume, &Revision::of(&v).unwrap(), status)
+        .await
+        .unwrap();
+    LONG_AGO.into()
+}
+
+fn acl_warning() -> (String, String) {
+    ("Warning".into(), "AclDisabled".into())
+}
+
+// proves W6, W7 (operator visibility of acl: false): a publication recorded under a protocol
+// with acl: false sets AclDisabled=True in the very write that records it (one status write,
+// even through conflicts) and records one Warning event; a retried publish, another node's
+// publish and another node's unpublish keep the condition and its transition time and record
+// nothing; the last unpublish clears it; a new transition warns again; a publish under a
+// protocol turned acl: true sets it False.
+#[tokio::test]
+async fn acl_off_is_a_condition_on_the_volume_and_one_warning_per_transition() {
+    for kind in STORES {
+        let mut env = Env::start(kind, false).await;
+        env.client
+            .create_volume(create("open-vol", Mode::MultiNodeReaderOnly))
+            .await
+            .unwrap();
+        assert_eq!(acl_condition(&env, "open-vol").await, None, "{kind:?}");
+        // Conflicts on the recording write: decided again each time, one event from the write
+        // that landed.
+        env.faults.conflict(VolumeWrite::Status, 3);
+        let writes = env.faults.calls(VolumeWrite::Status);
+        env.client
+            .controller_publish_volume(publish("open-vol", 1, Mode::MultiNodeReaderOnly, true))
+            .await
+            .unwrap();
+        assert_eq!(env.faults.injected(VolumeWrite::Status), 3, "{kind:?}");
+        assert_eq!(
+            env.faults.calls(VolumeWrite::Status) - writes,
+            4,
+            "{kind:?}: the condition rides the recording write, no write of its own"
+        );
+        let (status, reason, _) = acl_condition(&env, "open-vol").await.unwrap();
+        assert_eq!(
+            (status, reason.as_str()),
+            (ConditionStatus::True, "ProtocolAclOff"),
+            "{kind:?}"
+        );
+        let v = env.store.get_volume("open-vol").await.unwrap().unwrap();
+        let c = find_condition(&v.status_or_default().conditions, ACL_DISABLED)
+            .unwrap()
+            .clone();
+        assert!(
+            c.message
+                .contains("unpublishing cannot keep a lost node out")
+        );
+        assert_eq!(c.observed_generation, v.metadata.generation, "{kind:?}");
+        assert_eq!(env.events("open-vol"), vec![acl_warning()], "{kind:?}");
+        // The target really admits any host: what the condition warns about.
+        assert!(env.agent.state().subsystems[&nqn("open-vol")].allow_any_host);
+
+        let long_ago = backdate_acl_condition(&env, "open-vol").await;
+        // A retry of the same publish: no transition, no event, the time kept.
+        env.client
+            .controller_publish_volume(publish("open-vol", 1, Mode::MultiNodeReaderOnly, true))
+            .await
+            .unwrap();
+        // Another node's publication: still True since then.
+        env.client
+            .controller_publish_volume(publish("open-vol", 2, Mode::MultiNodeReaderOnly, true))
+            .await
+            .unwrap();
+        // An unpublish of one node while another stays published.
+        env.client
+            .controller_unpublish_volume(unpublish("open-vol", 2))
+            .await
+            .unwrap();
+        assert_eq!(
+            acl_condition(&env, "open-vol").await,
+            Some((ConditionStatus::True, "ProtocolAclOff".into(), long_ago)),
+            "{kind:?}"
+        );
+        assert_eq!(env.events("open-vol"), vec![acl_warning()], "{kind:?}");
+
+        // The last publication goes: False, in the write that removes it.
+        env.client
+            .controller_unpublish_volume(unpublish("open-vol", 1))
+            .await
+            .unwrap();
+        let (status, reason, _) = acl_condition(&env, "open-vol").await.unwrap();
+        assert_eq!(
+            (status, reason.as_str()),
+            (ConditionStatus::False, "NotPublished"),
+            "{kind:?}"
+        );
+        assert_eq!(env.events("open-vol"), vec![acl_warning()], "{kind:?}");
+
+        // Published again under acl: false: a new transition, a new warning.
+        env.client
+            .controller_publish_volume(publish("open-vol", 1, Mode::MultiNodeReaderOnly, true))
+            .await
+            .unwrap();
+        assert_eq!(
+            acl_condition(&env, "open-vol").await.map(|c| c.0),
+            Some(ConditionStatus::True),
+            "{kind:?}"
+        );
+        assert_eq!(
+            env.events("open-vol"),
+            vec![acl_warning(), acl_warning()],
+            "{kind:?}"
+        );
+
+        // The protocol turned acl: true: the next publication's write sets False, no event.
+        let proto = env.store.get_protocol("nvme-tcp").await.unwrap().unwrap();
+        let mut spec = proto.spec.clone();
+        spec.nvme_tcp.acl = true;
+        env.store
+            .replace_protocol_spec("nvme-tcp", &Revision::of(&proto).unwrap(), spec)
+            .await
+            .unwrap();
+        env.client
+            .controller_publish_volume(publish("open-vol", 2, Mode::MultiNodeReaderOnly, true))
+            .await
+            .unwrap();
+        let (status, reason, _) = acl_condition(&env, "open-vol").await.unwrap();
+        assert_eq!(
+            (status, reason.as_str()),
+            (ConditionStatus::False, "ProtocolAclOn"),
+            "{kind:?}"
+        );
+        assert_eq!(env.events("open-vol").len(), 2, "{kind:?}");
+
+        for node in [1, 2] {
+            env.client
+                .controller_unpublish_volume(unpublish("open-vol", node))
+                .await
+                .unwrap();
+        }
+        env.client.delete_volume(delete("open-vol")).await.unwrap();
+    }
+}
+
+// proves W6: under acl: true (the default) a publication leaves AclDisabled False and records
+// no event, on both stores.
+#[tokio::test]
+async fn acl_on_leaves_the_condition_false_and_records_no_event() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        env.client
+            .create_volume(create("closed-vol", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        for _ in 0..2 {
+            env.client
+                .controller_publish_volume(publish("closed-vol", 1, Mode::SingleNodeWriter, false))
+                .await
+                .unwrap();
+        }
+        let (status, reason, _) = acl_condition(&env, "closed-vol").await.unwrap();
+        assert_eq!(
+            (status, reason.as_str()),
+            (ConditionStatus::False, "ProtocolAclOn"),
+            "{kind:?}"
+        );
+        assert!(env.events("closed-vol").is_empty(), "{kind:?}");
+        env.client
+            .controller_unpublish_volume(unpublish("closed-vol", 1))
+            .await
+            .unwrap();
+        let (status, reason, _) = acl_condition(&env, "closed-vol").await.unwrap();
+        assert_eq!(
+            (status, reason.as_str()),
+            (ConditionStatus::False, "NotPublished"),
+            "{kind:?}"
+        );
+        assert!(env.events("closed-vol").is_empty(), "{kind:?}");
+        env.client
+            .delete_volume(delete("closed-vol"))
+            .await
+            .unwrap();
+    }
+}
+
+// proves W6: recording the event is best-effort: an API server that refuses it fails nothing,
+// and the condition is recorded all the same.
+#[tokio::test]
+async fn a_refused_event_fails_no_publish() {
+    let mut env = Env::start(StoreKind::Kube, false).await;
+    env.client
+        .create_volume(create("quiet-vol", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    env.double
+        .as_ref()
+        .unwrap()
+        .inject_failure(pillar_state::apiserver_double::InjectedFailure {
+            method: pillar_state::apiserver_double::HttpMethod::POST,
+            path_suffix: "/events".into(),
+            code: 403,
+            reason: "Forbidden".into(),
+            message: "events.events.k8s.io is forbidden".into(),
+        });
+    env.client
+        .controller_publish_volume(publish("quiet-vol", 1, Mode::SingleNodeWriter, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        acl_condition(&env, "quiet-vol").await.map(|c| c.0),
+        Some(ConditionStatus::True)
+    );
+    assert!(env.events("quiet-vol").is_empty());
+    env.client
+        .controller_unpublish_volume(unpublish("quiet-vol", 1))
+        .await
+        .unwrap();
+    env.client.delete_volume(delete("quiet-vol")).await.unwrap();
 }

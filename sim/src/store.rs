@@ -22,7 +22,7 @@ use pillar_state::crd::{
     PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
     PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
-use pillar_state::{PillarObject, Revision, StateStore, StoreError};
+use pillar_state::{PillarObject, Revision, StateStore, StoreError, VolumeEvent};
 
 use crate::chaos::{Chaos, Fault};
 
@@ -258,6 +258,11 @@ impl StateStore for SimStore {
         let o = &mut *self.objects();
         delete(&mut o.protocols, &mut o.last_rv, name, expected)
     }
+    // Events are not part of the records the invariants read; the simulation takes them and
+    // keeps none.
+    async fn record_volume_event(&self, _event: &VolumeEvent) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// One replica's client of the shared store (see the module documentation).
@@ -397,5 +402,8 @@ impl StateStore for ReplicaStore {
     }
     async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.inner.delete_protocol(name, expected).await
+    }
+    async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
+        self.inner.record_volume_event(event).await
     }
 }

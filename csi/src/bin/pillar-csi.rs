@@ -93,11 +93,20 @@ async fn main() -> anyhow::Result<()> {
                         .await
                         .context("opening the embedded store")?,
                 ),
-                None => Arc::new(pillar_state::KubeStore::new(
-                    kube::Client::try_default()
-                        .await
-                        .context("connecting to Kubernetes")?,
-                )),
+                None => Arc::new(
+                    pillar_state::KubeStore::new(
+                        kube::Client::try_default()
+                            .await
+                            .context("connecting to Kubernetes")?,
+                    )
+                    // The pod's name (deploy/controller.yaml sets POD_NAME) names this replica
+                    // in its Events.
+                    .with_reporting_instance(
+                        &std::env::var("POD_NAME")
+                            .or_else(|_| std::env::var("HOSTNAME"))
+                            .unwrap_or_default(),
+                    ),
+                ),
             };
             let tls = agent_client_cert
                 .zip(agent_client_key)

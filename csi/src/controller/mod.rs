@@ -6,6 +6,8 @@
 //! - `publish`: the publish table ([`decide_publication`]), publish and unpublish;
 //! - `provision`: create, delete, expand; `read`: validate, list, get, capacity;
 //! - `agent`: reaching a volume's agent; `resync`: bringing a restarted agent back;
+//! - `condition`: status conditions (`AclDisabled`) set inside the writes they describe, and
+//!   best-effort Kubernetes Events on their transitions;
 //! - `error`: the error type and the code table; `service`: the tonic adapter.
 //!
 //! Invariants (`docs/rules.md` W, F, C):
@@ -27,6 +29,7 @@
 //! - Agent errors are decided on their typed reason, never on message text.
 
 mod agent;
+mod condition;
 mod error;
 mod provision;
 mod publish;

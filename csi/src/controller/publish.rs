@@ -19,6 +19,7 @@ use pillar_state::crd::{
 
 use super::Controller;
 use super::agent::VolumeAgent;
+use super::condition::{clear_acl_condition_if_unpublished, set_acl_condition};
 use super::error::ControllerError;
 use super::record::{Write, token};
 use super::request::{self, VolumeRef};
@@ -226,12 +227,27 @@ impl Controller {
             recorded_generation: 0,
         };
         // W1, W2, W8: decided and recorded in one compare-and-swap that also bumps the
-        // generation for the grant's token.
-        let (_, generation) = self
-            .update_status(&name, &target.uid, |_, status| {
-                record(&name, &wanted, status)
+        // generation for the grant's token. W6, W7: the same write sets AclDisabled from the
+        // protocol, so the condition never disagrees with the records it describes.
+        let acl = protocol.spec.nvme_tcp.acl;
+        let (_, (generation, acl_change)) = self
+            .update_status(&name, &target.uid, |current, status| {
+                let generation = record(&name, &wanted, status)?;
+                let change = set_acl_condition(
+                    status,
+                    &state.spec.protocol,
+                    acl,
+                    current.metadata.generation,
+                );
+                Ok((generation, change))
             })
             .await?;
+        if !acl && acl_change.is_transition() {
+            // One event per transition to True: a retried publish, or another node's, finds
+            // the condition already True and records none.
+            self.warn_acl_disabled(&name, &target.uid, &state.spec.protocol)
+                .await;
+        }
         let recorded = PublishedNode {
             recorded_generation: generation,
             ..wanted.clone()
@@ -259,7 +275,7 @@ impl Controller {
         if let Some(device) = self.local_device(&target.client, &state).await? {
             publish_context.insert(context::LOCAL_DEVICE.to_owned(), device);
         }
-        if !protocol.spec.nvme_tcp.acl {
+        if !acl {
             tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with acl: false: any host that reaches the port can connect, and unpublishing cannot keep a lost node out");
         }
         tracing::info!(volume = %name, node = %wanted.node, mode = ?wanted.access_mode, readonly = wanted.readonly, "published");
@@ -355,7 +371,8 @@ impl Controller {
             }
             Err(e) => return Err(e),
         }
-        // Confirmed: only now does the record go, and only this publication's.
+        // Confirmed: only now does the record go, and only this publication's. The last one
+        // going clears AclDisabled in the same write (W6, W7).
         self.compare_and_swap(name, uid, |current| {
             let mut status = current.status_or_default();
             let before = status.published_nodes.len();
@@ -365,6 +382,7 @@ impl Controller {
             let write = if status.published_nodes.len() == before {
                 Write::Nothing
             } else {
+                clear_acl_condition_if_unpublished(&mut status, current.metadata.generation);
                 Write::Status(status)
             };
             Ok((write, ()))

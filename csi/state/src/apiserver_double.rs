@@ -31,6 +31,14 @@
 //!   answers 404 for an absent name. Finalizers are not modelled: a POST or PUT that sets
 //!   `metadata.finalizers` is refused with 501 so no test relies on semantics the double lacks.
 //!
+//! - Events: POST and LIST of `events.k8s.io/v1` Events under
+//!   `/apis/events.k8s.io/v1/namespaces/<ns>/events`, with the API server's create validation of
+//!   new-style events (`pkg/apis/core/validation/events.go`): `eventTime`,
+//!   `reportingController` (a qualified name), `reportingInstance`, `action` and `reason` are
+//!   required, the last three at most 128 characters, `note` at most 1 KiB, `type` Normal or
+//!   Warning, and an event about a cluster-scoped object (no `regarding.namespace`) only in
+//!   `default` or `kube-system`. [`ApiServerDouble::events`] reads them back.
+//!
 //! Errors are real `Status` objects (kind `Status`, apiVersion `v1`, status `Failure`, reason,
 //! code), which kube-rs turns into [`kube::Error::Api`]. Every request is recorded (method, path,
 //! query, JSON body) for request-shape assertions, and a failure can be injected for the next
@@ -54,6 +62,9 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::crd::{API_VERSION, GROUP, VERSION};
+
+/// The HTTP method type of [`InjectedFailure::method`], for crates without an `http` dependency.
+pub use hyper::Method as HttpMethod;
 
 /// Why the double could not start or build a client.
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +150,8 @@ struct State {
     objects: BTreeMap<&'static str, BTreeMap<String, Value>>,
     log: Vec<RecordedRequest>,
     failures: Vec<InjectedFailure>,
+    /// Events in the order they were created.
+    events: Vec<Value>,
 }
 
 impl State {
@@ -218,6 +231,11 @@ impl ApiServerDouble {
             .get(plural)
             .and_then(|m| m.get(name))
             .cloned()
+    }
+
+    /// Every Event created so far (`events.k8s.io/v1`, as stored), oldest first.
+    pub fn events(&self) -> Vec<Value> {
+        self.state().events.clone()
     }
 
     /// The current global resourceVersion.
@@ -311,6 +329,14 @@ async fn handle(
 }
 
 fn route(st: &mut State, method: &Method, path: &str, body: Option<Value>) -> Answer {
+    if let Some(rest) = path.strip_prefix(EVENTS_PREFIX) {
+        return match (rest.split('/').collect::<Vec<_>>().as_slice(), method) {
+            ([ns, "events"], &Method::POST) => create_event(st, ns, body),
+            ([ns, "events"], &Method::GET) => list_events(st, ns),
+            ([_, "events"], _) => method_not_allowed(),
+            _ => unknown_path(),
+        };
+    }
     let prefix = format!("/apis/{GROUP}/{VERSION}/");
     let Some(rest) = path.strip_prefix(&prefix) else {
         return unknown_path();
@@ -606,6 +632,160 @@ fn delete(st: &mut State, info: KindInfo, name: &str, body: Option<Value>) -> An
     }
     st.next_rv();
     (StatusCode::OK, Value::Object(current))
+}
+
+const EVENTS_PREFIX: &str = "/apis/events.k8s.io/v1/namespaces/";
+const EVENTS_API_VERSION: &str = "events.k8s.io/v1";
+
+fn list_events(st: &State, ns: &str) -> Answer {
+    let items: Vec<Value> = st
+        .events
+        .iter()
+        .filter(|e| e.pointer("/metadata/namespace").and_then(Value::as_str) == Some(ns))
+        .cloned()
+        .collect();
+    (
+        StatusCode::OK,
+        json!({
+            "apiVersion": EVENTS_API_VERSION,
+            "kind": "EventList",
+            "metadata": { "resourceVersion": st.rv.to_string() },
+            "items": items,
+        }),
+    )
+}
+
+/// `metav1.Validate QualifiedName`: an optional DNS-subdomain prefix and `/`, then a name of at
+/// most 63 characters of `[A-Za-z0-9_.-]` starting and ending alphanumeric.
+fn is_qualified_name(s: &str) -> bool {
+    let (prefix, name) = match s.split_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, s),
+    };
+    if prefix.is_some_and(|p| crate::store::validate_name("prefix", p).is_err()) {
+        return false;
+    }
+    let alnum = |c: char| c.is_ascii_alphanumeric();
+    !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(alnum)
+        && name.ends_with(alnum)
+        && name
+            .chars()
+            .all(|c| alnum(c) || c == '-' || c == '_' || c == '.')
+}
+
+fn create_event(st: &mut State, ns: &str, body: Option<Value>) -> Answer {
+    let Some(Value::Object(mut obj)) = body else {
+        return bad_request("the body of the request was in an unknown format");
+    };
+    let api_version = obj
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let kind = obj.get("kind").and_then(Value::as_str).unwrap_or_default();
+    if api_version != EVENTS_API_VERSION || kind != "Event" {
+        return bad_request(&format!(
+            "the object's apiVersion/kind {api_version}/{kind} does not match \
+             {EVENTS_API_VERSION}/Event"
+        ));
+    }
+    if meta_str(&obj, "namespace").is_some_and(|n| !n.is_empty() && n != ns) {
+        return bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request",
+        );
+    }
+    let name = meta_str(&obj, "name").unwrap_or_default().to_owned();
+    let field = |key: &str| obj.get(key).and_then(Value::as_str).unwrap_or_default();
+    let mut errors: Vec<(&str, String)> = Vec::new();
+    if name.is_empty() {
+        errors.push((
+            "metadata.name",
+            "Required value: name or generateName is required".into(),
+        ));
+    } else if crate::store::validate_name("Event", &name).is_err() {
+        errors.push(("metadata.name", format!("Invalid value: \"{name}\"")));
+    }
+    if obj.get("eventTime").is_none_or(Value::is_null) {
+        errors.push(("eventTime", "Required value".into()));
+    }
+    let regarding_ns = obj
+        .get("regarding")
+        .and_then(|r| r.get("namespace"))
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if regarding_ns.is_empty() && ns != "default" && ns != "kube-system" {
+        errors.push((
+            "regarding.namespace",
+            "Invalid value: \"\": does not match event.namespace".into(),
+        ));
+    }
+    if !regarding_ns.is_empty() && regarding_ns != ns {
+        errors.push((
+            "regarding.namespace",
+            format!("Invalid value: \"{regarding_ns}\": does not match event.namespace"),
+        ));
+    }
+    let controller = field("reportingController");
+    if controller.is_empty() {
+        errors.push(("reportingController", "Required value".into()));
+    } else if !is_qualified_name(controller) {
+        errors.push((
+            "reportingController",
+            format!("Invalid value: \"{controller}\""),
+        ));
+    }
+    for key in ["reportingInstance", "action", "reason"] {
+        let v = field(key);
+        if v.is_empty() {
+            errors.push((key, "Required value".into()));
+        } else if v.len() > 128 {
+            errors.push((key, "Too long: may not be more than 128 bytes".into()));
+        }
+    }
+    if field("note").len() > 1024 {
+        errors.push(("note", "Too long: may not be more than 1024 bytes".into()));
+    }
+    let type_ = field("type");
+    if type_ != "Normal" && type_ != "Warning" {
+        errors.push((
+            "type",
+            format!("Unsupported value: \"{type_}\": supported values: \"Normal\", \"Warning\""),
+        ));
+    }
+    if let Some((f, detail)) = errors.first() {
+        return failure_status(
+            422,
+            "Invalid",
+            &format!("Event.events.k8s.io \"{name}\" is invalid: {f}: {detail}"),
+            json!({ "name": name, "group": "events.k8s.io", "kind": "Event",
+                    "causes": [{ "message": detail, "field": f }] }),
+        );
+    }
+    if st.events.iter().any(|e| {
+        e.pointer("/metadata/namespace").and_then(Value::as_str) == Some(ns)
+            && e.pointer("/metadata/name").and_then(Value::as_str) == Some(name.as_str())
+    }) {
+        return failure_status(
+            409,
+            "AlreadyExists",
+            &format!("events.events.k8s.io \"{name}\" already exists"),
+            json!({ "name": name, "group": "events.k8s.io", "kind": "events" }),
+        );
+    }
+    let rv = st.next_rv();
+    with_metadata(&mut obj, |meta| {
+        meta.insert("namespace".into(), json!(ns));
+        meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
+        meta.insert("resourceVersion".into(), json!(rv));
+        meta.insert(
+            "creationTimestamp".into(),
+            serde_json::to_value(Time(k8s_openapi::jiff::Timestamp::now())).unwrap_or(Value::Null),
+        );
+    });
+    let obj = Value::Object(obj);
+    st.events.push(obj.clone());
+    (StatusCode::CREATED, obj)
 }
 
 fn check_type(info: KindInfo, obj: &Map<String, Value>) -> Option<Answer> {

@@ -11,6 +11,8 @@ use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub use crate::condition::{Condition, ConditionStatus};
+
 /// The API group of every pillar resource.
 pub const GROUP: &str = "pillar-csi.io";
 /// The API version of every pillar resource.
@@ -47,6 +49,12 @@ pub const API_VERSION: &str = "pillar-csi.io/v1alpha1";
         type_ = "integer",
         description = "publication generation (fencing token)",
         json_path = ".status.publicationGeneration"
+    ),
+    printcolumn(
+        name = "AclDisabled",
+        type_ = "string",
+        description = "published under a protocol with acl: false (any host can connect)",
+        json_path = ".status.conditions[?(@.type==\"AclDisabled\")].status"
     ),
     printcolumn(
         name = "Age",
@@ -134,6 +142,13 @@ pub struct PillarVolumeStateStatus {
     /// again.
     #[serde(default)]
     pub deleting: bool,
+    // W6, W7: written in the same compare-and-swap as the publication records they describe.
+    /// Conditions in the shape of `metav1.Condition`, one per type. `AclDisabled`: a
+    /// publication is recorded under a protocol with `acl: false`, so any host that reaches the
+    /// port can connect and unpublishing cannot keep a lost node out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
 }
 
 /// One publication record.

@@ -26,7 +26,11 @@
 //! - An unreadable or corrupt file is an error ([`EmbeddedError::Corrupt`]); nothing substitutes
 //!   a default. A missing counter next to existing records is an error too.
 //! - Operations are serialised by one async mutex; file I/O runs on the blocking pool.
+//! - Events ([`StateStore::record_volume_event`]) are kept in memory, the last
+//!   [`EMBEDDED_EVENT_LIMIT`], and logged; [`EmbeddedStore::events`] reads them back. They are
+//!   not part of the records and do not survive a restart, as Kubernetes Events expire too.
 
+use std::collections::VecDeque;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -40,10 +44,13 @@ use crate::crd::{
     PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
     PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
-use crate::store::{PillarObject, Revision, StateStore, StoreError, validate_name};
+use crate::store::{PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name};
 
 const LOCK_FILE: &str = "LOCK";
 const COUNTER_FILE: &str = "resource-version";
+
+/// How many events the embedded store keeps (the oldest go first).
+pub const EMBEDDED_EVENT_LIMIT: usize = 256;
 
 /// Why the embedded store failed on disk.
 #[derive(Debug, thiserror::Error)]
@@ -190,6 +197,7 @@ pub enum EmbeddedError {
 pub struct EmbeddedStore {
     root: PathBuf,
     dir: Arc<Mutex<Dir>>,
+    events: Arc<std::sync::Mutex<VecDeque<VolumeEvent>>>,
 }
 
 #[derive(Debug)]
@@ -215,7 +223,21 @@ impl EmbeddedStore {
         Ok(Self {
             root,
             dir: Arc::new(Mutex::new(dir)),
+            events: Arc::default(),
         })
+    }
+
+    /// The events recorded since the store was opened (at most the last
+    /// [`EMBEDDED_EVENT_LIMIT`]), oldest first.
+    pub fn events(&self) -> Vec<VolumeEvent> {
+        self.event_log().iter().cloned().collect()
+    }
+
+    fn event_log(&self) -> std::sync::MutexGuard<'_, VecDeque<VolumeEvent>> {
+        // A panic while holding the lock leaves a plain list behind; keep using it.
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The state directory.
@@ -703,5 +725,19 @@ impl StateStore for EmbeddedStore {
     }
     async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.delete::<PillarProtocol>(name, expected).await
+    }
+
+    async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
+        validate_name(<PillarVolumeState as PillarObject>::KIND, &event.volume)?;
+        tracing::info!(volume = %event.volume, event_type = event.type_.as_str(), reason = %event.reason, action = %event.action, note = %event.bounded_note(), "event");
+        let mut log = self.event_log();
+        if log.len() >= EMBEDDED_EVENT_LIMIT {
+            log.pop_front();
+        }
+        log.push_back(VolumeEvent {
+            note: event.bounded_note().to_owned(),
+            ..event.clone()
+        });
+        Ok(())
     }
 }

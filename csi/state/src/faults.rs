@@ -18,7 +18,7 @@ use crate::crd::{
     PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
     PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
-use crate::store::{Revision, StateStore, StoreError};
+use crate::store::{Revision, StateStore, StoreError, VolumeEvent};
 
 /// The volume writes a [`FaultyStore`] can make conflict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -267,5 +267,8 @@ impl StateStore for FaultyStore {
     }
     async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.inner.delete_protocol(name, expected).await
+    }
+    async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
+        self.inner.record_volume_event(event).await
     }
 }

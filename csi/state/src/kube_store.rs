@@ -12,10 +12,18 @@
 //!   still conditional on the expected revision.
 //! - delete: `DELETE .../<plural>/<name>` with `DeleteOptions.preconditions` `{uid,
 //!   resourceVersion}`.
+//! - event: `POST /apis/events.k8s.io/v1/namespaces/default/events`, an `events.k8s.io/v1`
+//!   Event whose `regarding` names the PillarVolumeState (kind, name, uid). A cluster-scoped
+//!   object's events live in `default`, the namespace the API server accepts for them (and
+//!   kube-runtime's recorder uses); `kubectl describe` finds them there. Best-effort: the
+//!   caller logs a failure.
 
 use std::fmt;
 
 use async_trait::async_trait;
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::core::Status;
 
@@ -23,19 +31,73 @@ use crate::crd::{
     PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
     PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
-use crate::store::{PillarObject, Revision, StateStore, StoreError, validate_name};
+use crate::store::{PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name};
+
+/// The namespace events about pillar's cluster-scoped objects are created in.
+pub const EVENT_NAMESPACE: &str = "default";
+/// `reportingController` of pillar's events.
+pub const REPORTING_CONTROLLER: &str = "pillar-csi.io/controller";
+/// `reportingInstance` when none was set ([`KubeStore::with_reporting_instance`]).
+pub const DEFAULT_REPORTING_INSTANCE: &str = "pillar-csi-controller";
+/// The API server's limit on `reportingInstance`, `action` and `reason`.
+const EVENT_FIELD_LIMIT: usize = 128;
 
 /// The [`StateStore`] backed by the Kubernetes API.
 #[derive(Clone)]
 pub struct KubeStore {
     client: kube::Client,
+    reporting_instance: String,
 }
 
 impl fmt::Debug for KubeStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KubeStore")
             .field("default_namespace", &self.client.default_namespace())
+            .field("reporting_instance", &self.reporting_instance)
             .finish_non_exhaustive()
+    }
+}
+
+/// `s` cut at a character boundary to at most `limit` bytes.
+fn cut(s: &str, limit: usize) -> &str {
+    let mut end = s.len().min(limit);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// The `events.k8s.io/v1` Event for `event`, stamped `now`. Its name is the volume's with a
+/// random suffix, as the API server's own recorders name theirs.
+pub fn event_object(
+    event: &VolumeEvent,
+    reporting_instance: &str,
+    now: k8s_openapi::jiff::Timestamp,
+) -> Event {
+    type K = PillarVolumeState;
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let prefix = cut(&event.volume, 253 - suffix.len() - 1).trim_end_matches(['.', '-']);
+    Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{prefix}.{suffix}")),
+            namespace: Some(EVENT_NAMESPACE.to_owned()),
+            ..ObjectMeta::default()
+        },
+        event_time: Some(MicroTime(now)),
+        reporting_controller: Some(REPORTING_CONTROLLER.to_owned()),
+        reporting_instance: Some(cut(reporting_instance, EVENT_FIELD_LIMIT).to_owned()),
+        action: Some(cut(&event.action, EVENT_FIELD_LIMIT).to_owned()),
+        reason: Some(cut(&event.reason, EVENT_FIELD_LIMIT).to_owned()),
+        type_: Some(event.type_.as_str().to_owned()),
+        note: Some(event.bounded_note().to_owned()),
+        regarding: Some(ObjectReference {
+            api_version: Some(crate::crd::API_VERSION.to_owned()),
+            kind: Some(K::KIND.to_owned()),
+            name: Some(event.volume.clone()),
+            uid: Some(event.uid.clone()),
+            ..ObjectReference::default()
+        }),
+        ..Event::default()
     }
 }
 
@@ -85,7 +147,19 @@ fn is_object_not_found(status: &Status, name: &str) -> bool {
 impl KubeStore {
     /// A store using `client` (cluster-scoped requests; the client's namespace is not used).
     pub fn new(client: kube::Client) -> Self {
-        Self { client }
+        Self {
+            client,
+            reporting_instance: DEFAULT_REPORTING_INSTANCE.to_owned(),
+        }
+    }
+
+    /// The same store, naming `instance` (for example the pod's name) as the `reportingInstance`
+    /// of its events. An empty name keeps the default.
+    pub fn with_reporting_instance(mut self, instance: &str) -> Self {
+        if !instance.is_empty() {
+            self.reporting_instance = cut(instance, EVENT_FIELD_LIMIT).to_owned();
+        }
+        self
     }
 
     fn api<K: PillarObject>(&self) -> Api<K> {
@@ -331,5 +405,34 @@ impl StateStore for KubeStore {
     }
     async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.delete::<PillarProtocol>(name, expected).await
+    }
+
+    async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
+        validate_name(PillarVolumeState::KIND, &event.volume)?;
+        let obj = event_object(
+            event,
+            &self.reporting_instance,
+            k8s_openapi::jiff::Timestamp::now(),
+        );
+        let name = obj.metadata.name.clone().unwrap_or_default();
+        let api: Api<Event> = Api::namespaced(self.client.clone(), EVENT_NAMESPACE);
+        match api.create(&PostParams::default(), &obj).await {
+            Ok(_) => {
+                tracing::debug!(volume = %event.volume, event = %name, reason = %event.reason, "event recorded");
+                Ok(())
+            }
+            Err(kube::Error::Api(status)) => Err(StoreError::Refused {
+                verb: "create",
+                kind: "Event",
+                name,
+                source: status,
+            }),
+            Err(source) => Err(StoreError::Kube {
+                verb: "create",
+                kind: "Event",
+                name,
+                source,
+            }),
+        }
     }
 }

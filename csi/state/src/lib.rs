@@ -1,6 +1,8 @@
 //! pillar: PillarVolumeState, PillarAgent and PillarProtocol records and their compare-and-swap
 //! stores.
 //!
+//! - [`condition`]: status conditions in the shape of `metav1.Condition`, and
+//!   [`set_condition`](condition::set_condition), which replaces one by type.
 //! - [`crd`]: the three custom resources (group `pillar-csi.io`, version `v1alpha1`).
 //! - [`store`]: the [`StateStore`] trait, [`Revision`] (the UID + resourceVersion a write
 //!   expects) and [`StoreError`].
@@ -11,6 +13,7 @@
 //!   server test double for these resources; `faults` (same feature): a store wrapper that
 //!   makes chosen compare-and-swap writes conflict.
 
+pub mod condition;
 pub mod crd;
 pub mod embedded;
 pub mod kube_store;
@@ -28,4 +31,6 @@ mod tests;
 
 pub use embedded::{EmbeddedError, EmbeddedStore};
 pub use kube_store::KubeStore;
-pub use store::{PillarObject, Revision, StateStore, StoreError, validate_name};
+pub use store::{
+    EventType, PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name,
+};

@@ -171,6 +171,57 @@ impl StoreError {
     }
 }
 
+/// The type of a Kubernetes Event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventType {
+    /// Nothing is wrong.
+    Normal,
+    /// Something an operator should look at.
+    Warning,
+}
+
+impl EventType {
+    /// The Event's `type`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Normal => "Normal",
+            Self::Warning => "Warning",
+        }
+    }
+}
+
+/// A Kubernetes Event about one PillarVolumeState (`kubectl describe pillarvol <name>` shows
+/// it). Recording one is best-effort: the caller logs a failure and goes on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeEvent {
+    /// The PillarVolumeState's name.
+    pub volume: String,
+    /// Its `metadata.uid`: the lifecycle the event is about.
+    pub uid: String,
+    /// Normal or Warning.
+    pub type_: EventType,
+    /// CamelCase, machine-readable (at most 128 characters), for example `AclDisabled`.
+    pub reason: String,
+    /// What the controller did, CamelCase (at most 128 characters), for example `Publish`.
+    pub action: String,
+    /// For humans; cut to 1 KiB. Never a request or a secret.
+    pub note: String,
+}
+
+/// The most a note may hold (`events.k8s.io/v1` refuses longer ones).
+pub const EVENT_NOTE_LIMIT: usize = 1024;
+
+impl VolumeEvent {
+    /// The note, cut at a character boundary to at most [`EVENT_NOTE_LIMIT`] bytes.
+    pub fn bounded_note(&self) -> &str {
+        let mut end = self.note.len().min(EVENT_NOTE_LIMIT);
+        while !self.note.is_char_boundary(end) {
+            end -= 1;
+        }
+        &self.note[..end]
+    }
+}
+
 /// Compare-and-swap access to pillar's records.
 ///
 /// Objects come back with `metadata.uid` and `metadata.resourceVersion` set; pass
@@ -243,6 +294,10 @@ pub trait StateStore: Send + Sync + Debug {
     ) -> Result<PillarProtocol, StoreError>;
     /// Deletes a protocol record if it is still `expected`.
     async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
+
+    /// Records an Event about a volume. Best-effort for the caller: a failure is for the log,
+    /// never a reason to fail the operation the event reports.
+    async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError>;
 }
 
 /// What the stores need to know about each of the three record types.

@@ -140,6 +140,8 @@ pub struct Env {
     pub controller: Arc<Controller>,
     pub client: ControllerClient<Channel>,
     pub double: Option<ApiServerDouble>,
+    /// The embedded store itself (a handle on the same directory), when that is the store.
+    pub embedded: Option<EmbeddedStore>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -149,16 +151,17 @@ impl Env {
     pub async fn start(kind: StoreKind, acl: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let agent = AgentUnderTest::start(dir.path()).await;
-        let (store, double): (Arc<dyn StateStore>, _) = match kind {
-            StoreKind::Embedded => (
-                Arc::new(EmbeddedStore::open(dir.path().join("store")).await.unwrap()),
-                None,
-            ),
+        let (store, double, embedded): (Arc<dyn StateStore>, _, _) = match kind {
+            StoreKind::Embedded => {
+                let embedded = EmbeddedStore::open(dir.path().join("store")).await.unwrap();
+                (Arc::new(embedded.clone()), None, Some(embedded))
+            }
             StoreKind::Kube => {
                 let double = ApiServerDouble::start().await.unwrap();
                 (
                     Arc::new(KubeStore::new(double.client().unwrap())),
                     Some(double),
+                    None,
                 )
             }
         };
@@ -222,8 +225,32 @@ impl Env {
             controller,
             client,
             double,
+            embedded,
             stop: Some(stop),
         }
+    }
+
+    /// The events recorded about `volume`, as `(type, reason)`, oldest first: read back from
+    /// the embedded store, or from the API server double (`events.k8s.io/v1` objects).
+    pub fn events(&self, volume: &str) -> Vec<(String, String)> {
+        if let Some(e) = &self.embedded {
+            return e
+                .events()
+                .into_iter()
+                .filter(|e| e.volume == volume)
+                .map(|e| (e.type_.as_str().to_owned(), e.reason))
+                .collect();
+        }
+        let double = self.double.as_ref().expect("a store that records events");
+        double
+            .events()
+            .into_iter()
+            .filter(|e| e["regarding"]["name"] == volume)
+            .map(|e| {
+                let field = |k: &str| e[k].as_str().unwrap_or_default().to_owned();
+                (field("type"), field("reason"))
+            })
+            .collect()
     }
 
     /// Another controller replica over the same store, through its own wrapper, so a test can

@@ -24,6 +24,7 @@ fn published(node: &str) -> PillarVolumeStateStatus {
         }],
         publication_generation: 1,
         deleting: false,
+        conditions: vec![],
     }
 }
 

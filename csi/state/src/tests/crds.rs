@@ -3,9 +3,10 @@
 use kube::CustomResourceExt;
 use serde_json::json;
 
+use crate::condition::ACL_DISABLED;
 use crate::crd::{
-    AccessMode, PillarAgent, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
-    PillarVolumeStateStatus, PublishedNode, crds_yaml,
+    AccessMode, Condition, ConditionStatus, PillarAgent, PillarProtocol, PillarProtocolSpec,
+    PillarVolumeState, PillarVolumeStateStatus, PublishedNode, crds_yaml,
 };
 
 #[test]
@@ -58,8 +59,30 @@ fn crds_are_cluster_scoped_with_safe_short_names() {
             ("Size", ".spec.sizeBytes"),
             ("Nodes", ".status.publishedNodes[*].node"),
             ("Generation", ".status.publicationGeneration"),
+            (
+                "AclDisabled",
+                ".status.conditions[?(@.type==\"AclDisabled\")].status"
+            ),
             ("Age", ".metadata.creationTimestamp"),
         ]
+    );
+    // proves W6 (visible acl: false): conditions are a list map keyed by type, each with the
+    // required fields of metav1.Condition.
+    let schema = serde_json::to_value(&version.schema).unwrap();
+    let conditions = &schema["openAPIV3Schema"]["properties"]["status"]["properties"]["conditions"];
+    assert_eq!(conditions["x-kubernetes-list-type"], "map", "{conditions}");
+    assert_eq!(conditions["x-kubernetes-list-map-keys"], json!(["type"]));
+    let mut required: Vec<_> = conditions["items"]["required"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    required.sort_unstable();
+    assert_eq!(required, ["lastTransitionTime", "reason", "status", "type"]);
+    assert_eq!(
+        conditions["items"]["properties"]["status"]["enum"],
+        json!(["True", "False", "Unknown"])
     );
     for crd in [PillarAgent::crd(), PillarProtocol::crd()] {
         assert!(
@@ -84,6 +107,14 @@ fn status_is_camel_case_on_the_wire() {
         }],
         publication_generation: 3,
         deleting: false,
+        conditions: vec![Condition::new(
+            ACL_DISABLED,
+            ConditionStatus::True,
+            "ProtocolAclOff",
+            "m",
+            Some(2),
+            "2026-01-01T00:00:00Z",
+        )],
     };
     assert_eq!(
         serde_json::to_value(&status).unwrap(),
@@ -93,7 +124,12 @@ fn status_is_camel_case_on_the_wire() {
                 "readonly": true, "revoking": false, "recordedGeneration": 0
             }],
             "publicationGeneration": 3,
-            "deleting": false
+            "deleting": false,
+            "conditions": [{
+                "type": "AclDisabled", "status": "True", "observedGeneration": 2,
+                "lastTransitionTime": "2026-01-01T00:00:00Z", "reason": "ProtocolAclOff",
+                "message": "m"
+            }]
         })
     );
     // An absent list or counter reads as empty / zero, never as an error.

@@ -20,6 +20,7 @@ fn status(generation: u64) -> PillarVolumeStateStatus {
         published_nodes: vec![],
         publication_generation: generation,
         deleting: false,
+        conditions: vec![],
     }
 }
 

@@ -22,6 +22,7 @@ fn gen_status(generation: u64) -> PillarVolumeStateStatus {
         published_nodes: vec![],
         publication_generation: generation,
         deleting: false,
+        conditions: vec![],
     }
 }
 

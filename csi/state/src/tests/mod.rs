@@ -5,5 +5,6 @@ mod contract;
 mod crds;
 mod double;
 mod embedded;
+mod events;
 mod race;
 mod shapes;

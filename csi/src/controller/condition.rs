@@ -1,0 +1,200 @@
+//! What the controller tells an operator about a volume: status conditions on its
+//! PillarVolumeState and Kubernetes Events about it.
+//!
+//! - A condition is decided from the record inside the compare-and-swap that writes what it
+//!   describes (W8), so it never disagrees with the record: `AclDisabled` is set in the write
+//!   that records a publication and cleared in the write that removes the last one.
+//! - An event reports a condition's transition, decided by the write that landed (one
+//!   transition, one event, whatever the retries or the replicas). Recording it is
+//!   best-effort: a failure is logged and the CSI call goes on.
+
+use std::time::Duration;
+
+use pillar_state::condition::{
+    ACL_DISABLED, Condition, ConditionChange, ConditionStatus, find_condition, now, set_condition,
+};
+use pillar_state::crd::PillarVolumeStateStatus;
+use pillar_state::store::{EventType, VolumeEvent};
+
+use super::Controller;
+
+/// `AclDisabled` reason: the protocol the publication was recorded under has `acl: false`.
+pub const REASON_ACL_OFF: &str = "ProtocolAclOff";
+/// `AclDisabled` reason: the protocol admits only published hosts.
+pub const REASON_ACL_ON: &str = "ProtocolAclOn";
+/// `AclDisabled` reason: no publication is recorded.
+pub const REASON_NOT_PUBLISHED: &str = "NotPublished";
+
+/// The longest an event may hold up the call that reports it.
+const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The message of `AclDisabled` = True (also the note of its event).
+pub fn acl_off_message(protocol: &str) -> String {
+    format!(
+        "published under PillarProtocol {protocol} with acl: false: any host that reaches the \
+         NVMe/TCP port can connect, and unpublishing cannot keep a lost node out (docs/rules.md \
+         W6, W7; set acl: true)"
+    )
+}
+
+/// Sets `AclDisabled` in `status` for a publication recorded in the same write under
+/// `protocol` with `acl` (W6, W7): True when the ACL is off, False when it is on. Keeps the
+/// transition time unless the status changes.
+pub fn set_acl_condition(
+    status: &mut PillarVolumeStateStatus,
+    protocol: &str,
+    acl: bool,
+    generation: Option<i64>,
+) -> ConditionChange {
+    let condition = if acl {
+        Condition::new(
+            ACL_DISABLED,
+            ConditionStatus::False,
+            REASON_ACL_ON,
+            format!("PillarProtocol {protocol} admits only the host NQNs of published nodes"),
+            generation,
+            now(),
+        )
+    } else {
+        Condition::new(
+            ACL_DISABLED,
+            ConditionStatus::True,
+            REASON_ACL_OFF,
+            acl_off_message(protocol),
+            generation,
+            now(),
+        )
+    };
+    set_condition(&mut status.conditions, condition)
+}
+
+/// Clears `AclDisabled` (False) once `status` records no publication; a volume that never had
+/// the condition gets none. Called in the write that removes a publication.
+pub fn clear_acl_condition_if_unpublished(
+    status: &mut PillarVolumeStateStatus,
+    generation: Option<i64>,
+) -> ConditionChange {
+    if !status.published_nodes.is_empty()
+        || find_condition(&status.conditions, ACL_DISABLED).is_none()
+    {
+        return ConditionChange::Unchanged;
+    }
+    set_condition(
+        &mut status.conditions,
+        Condition::new(
+            ACL_DISABLED,
+            ConditionStatus::False,
+            REASON_NOT_PUBLISHED,
+            "no publication is recorded",
+            generation,
+            now(),
+        ),
+    )
+}
+
+impl Controller {
+    /// Records `event`, best-effort: a failure or a slow API server is logged (volume, reason
+    /// and the store's error, never the request) and the caller goes on.
+    pub(super) async fn record_event(&self, event: VolumeEvent) {
+        match tokio::time::timeout(EVENT_TIMEOUT, self.store.record_volume_event(&event)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(volume = %event.volume, reason = %event.reason, error = %e, "recording the event failed")
+            }
+            Err(_) => {
+                tracing::warn!(volume = %event.volume, reason = %event.reason, "recording the event timed out")
+            }
+        }
+    }
+
+    /// The Warning event for `AclDisabled` turning True on `volume` (lifecycle `uid`).
+    pub(super) async fn warn_acl_disabled(&self, volume: &str, uid: &str, protocol: &str) {
+        self.record_event(VolumeEvent {
+            volume: volume.to_owned(),
+            uid: uid.to_owned(),
+            type_: EventType::Warning,
+            reason: ACL_DISABLED.to_owned(),
+            action: "Publish".to_owned(),
+            note: acl_off_message(protocol),
+        })
+        .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pillar_state::condition::is_condition_true;
+    use pillar_state::crd::{AccessMode, PublishedNode};
+
+    use super::*;
+
+    fn published() -> PillarVolumeStateStatus {
+        PillarVolumeStateStatus {
+            published_nodes: vec![PublishedNode {
+                node: "a".into(),
+                host_nqn: "nqn.a".into(),
+                access_mode: AccessMode::SingleNodeWriter,
+                readonly: false,
+                revoking: false,
+                recorded_generation: 1,
+            }],
+            publication_generation: 1,
+            ..Default::default()
+        }
+    }
+
+    // proves W6, W7: acl off is True, acl on is False; the same again is no transition.
+    #[test]
+    fn acl_condition_follows_the_protocol() {
+        let mut s = published();
+        let change = set_acl_condition(&mut s, "nvme-tcp", false, Some(1));
+        assert!(change.is_transition());
+        assert!(is_condition_true(&s.conditions, ACL_DISABLED));
+        let c = &s.conditions[0];
+        assert_eq!(c.reason, REASON_ACL_OFF);
+        assert!(
+            c.message
+                .contains("unpublishing cannot keep a lost node out")
+        );
+        assert!(c.message.contains("docs/rules.md"));
+        assert_eq!(c.observed_generation, Some(1));
+        let first = c.last_transition_time.clone();
+        assert_eq!(
+            set_acl_condition(&mut s, "nvme-tcp", false, Some(1)),
+            ConditionChange::Unchanged
+        );
+        assert_eq!(s.conditions[0].last_transition_time, first);
+        assert_eq!(
+            set_acl_condition(&mut s, "nvme-tcp", true, Some(1)),
+            ConditionChange::Transitioned
+        );
+        assert!(!is_condition_true(&s.conditions, ACL_DISABLED));
+        assert_eq!(s.conditions[0].reason, REASON_ACL_ON);
+        assert_eq!(s.conditions.len(), 1);
+    }
+
+    // proves W6, W7: cleared only when the last publication is gone, and only where it was set.
+    #[test]
+    fn acl_condition_clears_with_the_last_publication() {
+        let mut s = published();
+        set_acl_condition(&mut s, "nvme-tcp", false, None);
+        assert_eq!(
+            clear_acl_condition_if_unpublished(&mut s, None),
+            ConditionChange::Unchanged
+        );
+        assert!(is_condition_true(&s.conditions, ACL_DISABLED));
+        s.published_nodes.clear();
+        assert_eq!(
+            clear_acl_condition_if_unpublished(&mut s, None),
+            ConditionChange::Transitioned
+        );
+        assert_eq!(s.conditions[0].status, ConditionStatus::False);
+        assert_eq!(s.conditions[0].reason, REASON_NOT_PUBLISHED);
+        let mut never = PillarVolumeStateStatus::default();
+        assert_eq!(
+            clear_acl_condition_if_unpublished(&mut never, None),
+            ConditionChange::Unchanged
+        );
+        assert!(never.conditions.is_empty());
+    }
+}
