@@ -24,7 +24,9 @@ use crate::harness::{ETC_HOSTID, ETC_HOSTNQN, MIB, POOL, PORT, RECONNECT_DELAY, 
 
 /// Scenario 6: a revoke carrying an older generation, sent after a newer grant, is rejected
 /// (FAILED_PRECONDITION) and the grant stays in configfs: the host still connects and does I/O.
-/// Then the current revoke cuts the host off (W7). The agent alone, driven with its own tokens.
+/// Then the current revoke cuts the host off (W7) while a second admitted host keeps writing: its
+/// controller is cut too, it reconnects by itself, and its writes only pause (measured). The
+/// agent alone, driven with its own tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "real kernel: runs inside the kernel-lane VM (tests/kernel-lane/run.sh)"]
 async fn s6_stale_revoke_rejected() {
@@ -175,7 +177,11 @@ async fn s6_stale_revoke_rejected() {
     let writer_b = SeqWriter::start(&dev_b.dev_path, 32 * MIB, 4096);
     while writer_b.log().acks.len() < 20 {
         let log = writer_b.log();
-        assert!(log.failed().is_none(), "host B's writer: {:?}", log.failed());
+        assert!(
+            log.failed().is_none(),
+            "host B's writer: {:?}",
+            log.failed()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 

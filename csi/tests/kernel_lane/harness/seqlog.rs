@@ -134,9 +134,14 @@ impl SeqWriter {
             .create_new(true)
             .open(path)
             .unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
-        f.write_all(&vec![0u8; RECORD * records as usize])
-            .and_then(|()| f.sync_all())
-            .expect("write and sync the log file");
+        f.write_all(&vec![
+            0u8;
+            RECORD
+                * usize::try_from(records)
+                    .expect("a test-sized file")
+        ])
+        .and_then(|()| f.sync_all())
+        .expect("write and sync the log file");
         let ext = extents(&f);
         drop(f);
         (Self::start(path, 0, records), ext)
