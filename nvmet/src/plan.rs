@@ -12,7 +12,9 @@
 //!   before `allow_any_host=1`;
 //! - removal runs in reverse: unlink from ports, disable and remove namespaces, unlink hosts,
 //!   remove the subsystem, then hosts no subsystem references and ports left empty;
-//! - a namespace grows through `revalidate_size`, never disable/enable.
+//! - a namespace grows through `revalidate_size`, never disable/enable;
+//! - `resv_enable=1` is written before `enable` where the namespace directory has the attribute
+//!   (probed, never guessed from a kernel version), never on an enabled namespace (W9, K6).
 //!
 //! Only subsystems with pillar's NQN prefix are ever planned for.
 
@@ -95,6 +97,15 @@ pub struct ExportPlan {
     pub adoptions: Vec<Adoption>,
     /// The desired state with adopted identities substituted: what the read-back must find.
     pub effective: ExportSpec,
+    /// Set when the plan creates a namespace while the observed tree holds no namespace to probe
+    /// for `resv_enable`: apply `ops[..=i]` (up to the first namespace `mkdir`), observe again and
+    /// plan again, so the new namespace's attributes show whether the kernel has reservations
+    /// before it is enabled (W9). An executor that applies the whole plan instead gets a correct
+    /// export without reservations.
+    pub replan_after: Option<usize>,
+    /// Enabled namespaces that have `resv_enable` off: they keep running without reservations,
+    /// since the attribute cannot be written on an enabled namespace (K6); the caller logs it.
+    pub live_without_reservations: Vec<NamespaceId>,
 }
 
 /// Why no safe plan exists.
@@ -162,6 +173,8 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
     }
     let mut ops = Vec::new();
     let mut adoptions = Vec::new();
+    let mut replan_after = None;
+    let mut live_without_reservations = Vec::new();
     let mut effective = spec.clone();
     let sdir = subsys_dir(nqn);
     let existing = observed.subsystem(&spec.nqn);
@@ -222,10 +235,24 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                         ns.identity = live_id;
                     }
                 }
+                if live.resv_enable == Some(false) {
+                    live_without_reservations.push(*nsid);
+                }
             }
             found => {
+                // W9, K6, K21: reservations on where the kernel has them, before `enable`.
+                // `Some(true)`: write `resv_enable=1`; `Some(false)`: nothing to write (already
+                // on, or a kernel without it); `None`: a new namespace on a tree with nothing to
+                // probe, so the caller re-plans once the directory exists.
+                let resv = match found {
+                    Some(ns) => ns.resv_enable.map(|on| !on),
+                    None => observed.reservations(),
+                };
                 if found.is_none() {
                     ops.push(Op::Mkdir { path: dir.clone() });
+                    if resv.is_none() && replan_after.is_none() {
+                        replan_after = Some(ops.len() - 1);
+                    }
                 }
                 let found = found.cloned().unwrap_or_default();
                 if found.device_path.as_deref() != Some(want.device_path.as_path()) {
@@ -245,6 +272,9 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                         dir.join("device_nguid"),
                         want.identity.nguid.to_string(),
                     ));
+                }
+                if resv == Some(true) {
+                    ops.push(write(dir.join("resv_enable"), "1"));
                 }
                 ops.push(write(dir.join("enable"), "1"));
             }
@@ -306,6 +336,8 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         ops,
         adoptions,
         effective,
+        replan_after,
+        live_without_reservations,
     })
 }
 
