@@ -287,6 +287,7 @@ async fn connecting_record_lets_unstage_disconnect() {
             staging_path: staging.clone(),
             mode: StageMode::Block,
             phase: StagePhase::Connecting,
+            reservation: false,
         })
         .unwrap();
     h.unstage(vol, &staging).await.unwrap();
