@@ -751,8 +751,12 @@ mod tests {
             target_arch = "riscv64"
         ))]
         {
-            assert_eq!(u64::try_from(NVME_IOCTL_IO_CMD).ok(), Some(0xC048_4E43));
-            assert_eq!(u64::try_from(NVME_IOCTL_ID).ok(), Some(0x4E40));
+            // `Ioctl` is c_ulong on glibc and c_int on musl: compare through u64 either way.
+            fn to_u64<T: TryInto<u64>>(v: T) -> Option<u64> {
+                v.try_into().ok()
+            }
+            assert_eq!(to_u64(NVME_IOCTL_IO_CMD), Some(0xC048_4E43));
+            assert_eq!(to_u64(NVME_IOCTL_ID), Some(0x4E40));
         }
     }
 
