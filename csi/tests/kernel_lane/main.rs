@@ -34,6 +34,9 @@
 //! 7. online expansion (host sees the new size, filesystem grows) and volume stats
 //! 8. the LVM backends (linear and thin) on device-mapper: extent rounding, the `pillar` tag,
 //!    export of the LV, I/O, online expansion, shrink refused, delete; foreign LVs untouched
+//! 10. NVMe reservations (W9): with `resv_enable` the stager holds Write Exclusive, a connected
+//!     second host cannot write, the next stager preempts and aborts the first; without it,
+//!     nothing is written to it and the stage works
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers),
@@ -45,6 +48,7 @@ mod harness;
 mod lvm;
 mod reboot;
 
+mod s10_reservations;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;
