@@ -212,7 +212,8 @@ impl Engine {
             staging_path: staging.to_path_buf(),
             mode,
             phase: StagePhase::Connecting,
-            reservation: matches!(ctx.target, AttachTarget::Nvme(_))
+            reservation: self.cfg.reservations
+                && matches!(ctx.target, AttachTarget::Nvme(_))
                 && super::reserve::wants_reservation(cap, read_only),
         };
         self.write_record(&record)?;
