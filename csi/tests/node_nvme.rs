@@ -22,6 +22,42 @@ use tonic::Code;
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
+// proves W9 (fail closed): with reservations on, a stage whose reservation step fails (here: a
+// stand-in device that answers no NVMe ioctl) fails with INTERNAL naming the step, after the
+// identity check and before anything is written: the device stays blank and nothing is mounted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_reservation_step_fails_the_stage_before_the_device_is_written() {
+    let lo = LoopDevice::new(SIZE);
+    let root = tempfile::tempdir().unwrap();
+    let mut f = FakeSysfs::new(root.path()).unwrap();
+    let vol = "pvc-resv";
+    add_volume_on_loop(&mut f, 0, 0, vol, identity(vol), &lo);
+    let paths = f.paths().clone();
+    let h = Harness::start(move |dir| {
+        let mut c = config(dir, pillar_csi::node::AttachMode::NvmeTcp, paths);
+        c.connect_timeout = TIMEOUT;
+        c.reservations = true;
+        c
+    })
+    .await;
+    let (staging, _g) = h.path("staging");
+    let err = h
+        .stage(vol, &staging, mount_cap("ext4"), nvme_ctx(vol))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Internal, "{}", err.message());
+    assert!(
+        err.message().contains("NVMe Write Exclusive reservation")
+            && err.message().contains("namespace ID"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(lo.fs_type(), None);
+    assert!(mount_at(&staging).is_none());
+    assert_eq!(h.record(vol).unwrap()["phase"], "connected");
+    assert_eq!(h.record(vol).unwrap()["reservation"], true);
+}
+
 // proves N1: a namespace whose UUID/NGUID are not the volume's is refused with
 // FAILED_PRECONDITION before anything reads or writes the device: the blank device stays blank,
 // nothing is mounted, the record never passes `connecting`, and the controller (which this call
@@ -287,6 +323,7 @@ async fn connecting_record_lets_unstage_disconnect() {
             staging_path: staging.clone(),
             mode: StageMode::Block,
             phase: StagePhase::Connecting,
+            reservation: false,
         })
         .unwrap();
     h.unstage(vol, &staging).await.unwrap();

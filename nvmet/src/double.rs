@@ -44,6 +44,9 @@ const PRIVATE_DIR: &str = ".double";
 /// disk, so every handle on the same root (the agent clones its double per plan) records.
 const OPS_LOG: &str = "ops.log";
 
+/// Under [`PRIVATE_DIR`]: present when the double models a kernel with NVMe reservations.
+const RESERVATIONS: &str = "reservations";
+
 /// Under [`PRIVATE_DIR`]: live host controllers, as `controllers/<port>/<subsystem>/<host>`.
 const CONTROLLERS: &str = "controllers";
 
@@ -187,16 +190,19 @@ impl ConfigfsDouble {
             fs::create_dir_all(root.join(dir))?;
         }
         fs::create_dir_all(root.join(PRIVATE_DIR).join("discovered"))?;
-        Ok(Self {
-            root,
-            reservations: false,
-        })
+        let reservations = root.join(PRIVATE_DIR).join(RESERVATIONS).exists();
+        Ok(Self { root, reservations })
     }
 
-    /// Models a kernel with NVMe reservations (`resv_enable` on namespaces, Linux >= 6.13).
+    /// Models a kernel with NVMe reservations (`resv_enable` on namespaces, Linux >= 6.13), for
+    /// this handle and every other handle on the same root (kept on disk, like the operation
+    /// record, so a test can turn it on for an agent's double).
     #[must_use]
     pub fn with_reservations(mut self) -> Self {
         self.reservations = true;
+        // A handle that cannot persist the marker still models reservations itself; handles
+        // opened later would not, which a test relying on them notices.
+        let _ = fs::write(self.root.join(PRIVATE_DIR).join(RESERVATIONS), b"");
         self
     }
 
@@ -412,7 +418,7 @@ impl ConfigfsDouble {
                     ("buffered_io", "0"),
                     ("revalidate_size", ""),
                 ];
-                if self.reservations {
+                if self.reservations || self.root.join(PRIVATE_DIR).join(RESERVATIONS).exists() {
                     attrs.push(("resv_enable", "0"));
                 }
                 for (attr, value) in attrs {

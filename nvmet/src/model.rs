@@ -116,6 +116,9 @@ pub struct NamespaceState {
     pub uuid: Option<Uuid>,
     pub nguid: Option<Nguid>,
     pub enabled: bool,
+    /// `resv_enable` (NVMe reservations, Linux >= 6.13): `None` when the namespace directory has
+    /// no such attribute, i.e. the kernel has no reservations (docs/rules.md K21).
+    pub resv_enable: Option<bool>,
 }
 
 impl NamespaceState {
@@ -199,6 +202,17 @@ impl TargetState {
             .iter()
             .filter(move |(_, p)| p.subsystems.contains(nqn))
             .map(|(id, _)| *id)
+    }
+
+    /// Whether this kernel has NVMe reservations, probed from the attributes of a namespace
+    /// directory (every namespace of one kernel has the same attributes): `None` when the tree
+    /// holds no namespace to look at. Never decided from a kernel version (docs/rules.md K21).
+    pub fn reservations(&self) -> Option<bool> {
+        self.subsystems
+            .values()
+            .flat_map(|s| s.namespaces.values())
+            .next()
+            .map(|ns| ns.resv_enable.is_some())
     }
 
     /// Whether any subsystem other than `except` lists `host` in `allowed_hosts`.
@@ -289,6 +303,11 @@ fn observe_namespace(dir: &Path) -> Result<NamespaceState, ObserveError> {
     let nguid = read_attr(&nguid_path)?;
     let enable_path = dir.join("enable");
     let enable = read_attr(&enable_path)?;
+    let resv_path = dir.join("resv_enable");
+    let resv = match std::fs::symlink_metadata(&resv_path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        _ => Some(read_attr(&resv_path)?),
+    };
     let bad = |path: &Path, value: &str, what| ObserveError::BadValue {
         path: path.to_owned(),
         value: value.to_owned(),
@@ -309,6 +328,7 @@ fn observe_namespace(dir: &Path) -> Result<NamespaceState, ObserveError> {
             Some(Nguid::parse(&nguid).map_err(|_| bad(&nguid_path, &nguid, "NGUID"))?)
         },
         enabled: parse_bool(&enable_path, &enable)?,
+        resv_enable: resv.map(|v| parse_bool(&resv_path, &v)).transpose()?,
     })
 }
 

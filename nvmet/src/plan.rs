@@ -17,6 +17,8 @@
 //!   first host is linked, disabled after the last is unlinked. The kernel keeps the identity
 //!   and device of a disabled namespace, and returns from `enable=0` only once no command is in
 //!   flight on it, so a revoke that leaves nobody admitted is drained.
+//! - `resv_enable=1` is written before `enable` where the namespace directory has the attribute
+//!   (probed, never guessed from a kernel version), never on an enabled namespace (W9, K6).
 //!
 //! Only subsystems with pillar's NQN prefix are ever planned for.
 
@@ -99,6 +101,15 @@ pub struct ExportPlan {
     pub adoptions: Vec<Adoption>,
     /// The desired state with adopted identities substituted: what the read-back must find.
     pub effective: ExportSpec,
+    /// Set when the plan creates a namespace while the observed tree holds no namespace to probe
+    /// for `resv_enable`: apply `ops[..=i]` (up to the first namespace `mkdir`), observe again and
+    /// plan again, so the new namespace's attributes show whether the kernel has reservations
+    /// before it is enabled (W9). An executor that applies the whole plan instead gets a correct
+    /// export without reservations.
+    pub replan_after: Option<usize>,
+    /// Enabled namespaces that have `resv_enable` off: they keep running without reservations,
+    /// since the attribute cannot be written on an enabled namespace (K6); the caller logs it.
+    pub live_without_reservations: Vec<NamespaceId>,
 }
 
 /// Why no safe plan exists.
@@ -171,6 +182,8 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
     }
     let mut ops = Vec::new();
     let mut adoptions = Vec::new();
+    let mut replan_after = None;
+    let mut live_without_reservations = Vec::new();
     let mut effective = spec.clone();
     let sdir = subsys_dir(nqn);
     let existing = observed.subsystem(&spec.nqn);
@@ -224,6 +237,9 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                         ns.identity = live_id;
                     }
                 }
+                if live.resv_enable == Some(false) {
+                    live_without_reservations.push(*nsid);
+                }
                 if !admitted {
                     // The kernel returns from this write only when every command in flight
                     // on the namespace has completed; identity and device stay configured.
@@ -231,8 +247,19 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                 }
             }
             found => {
+                // W9, K6, K21: reservations on where the kernel has them, before `enable`.
+                // `Some(true)`: write `resv_enable=1`; `Some(false)`: nothing to write (already
+                // on, or a kernel without it); `None`: a new namespace on a tree with nothing to
+                // probe, so the caller re-plans once the directory exists.
+                let resv = match found {
+                    Some(ns) => ns.resv_enable.map(|on| !on),
+                    None => observed.reservations(),
+                };
                 if found.is_none() {
                     ops.push(Op::Mkdir { path: dir.clone() });
+                    if resv.is_none() && replan_after.is_none() {
+                        replan_after = Some(ops.len() - 1);
+                    }
                 }
                 let found = found.cloned().unwrap_or_default();
                 if found.device_path.as_deref() != Some(want.device_path.as_path()) {
@@ -252,6 +279,9 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
                         dir.join("device_nguid"),
                         want.identity.nguid.to_string(),
                     ));
+                }
+                if resv == Some(true) {
+                    ops.push(write(dir.join("resv_enable"), "1"));
                 }
                 if admitted {
                     ops.push(write(dir.join("enable"), "1"));
@@ -325,6 +355,8 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         ops,
         adoptions,
         effective,
+        replan_after,
+        live_without_reservations,
     })
 }
 
@@ -334,7 +366,8 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
 /// entries under `hosts/`, and the `enable` of its namespaces: when the change admits a host
 /// and nobody was, each disabled namespace is enabled first (so the host finds it at connect);
 /// when it leaves nobody admitted, each enabled namespace is disabled last (W7: the kernel
-/// returns from that write only once no command is in flight on it, and takes no new one).
+/// returns from that write only once no command is in flight on it, and takes no new one); a
+/// namespace it enables gets `resv_enable=1` first where the kernel has it off (W9).
 /// Identity, device, serial and ports are never written: whatever they hold (a kernel-random
 /// identity, a zero NGUID, a port pillar did not expect) stays. A disabled namespace is enabled
 /// only when it has a device and shows exactly the identity `expected` names for it; otherwise
@@ -366,6 +399,10 @@ pub fn plan_acl(
                     nqn: name.to_owned(),
                     nsid: *nsid,
                 });
+            }
+            // W9: reservations on before enable, where the kernel has them and they are off.
+            if ns.resv_enable == Some(false) {
+                ops.push(write(ns_dir(name, *nsid).join("resv_enable"), "1"));
             }
             ops.push(write(ns_dir(name, *nsid).join("enable"), "1"));
         }

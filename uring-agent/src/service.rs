@@ -443,12 +443,32 @@ impl Agent {
             self.target.record_identity(volume, &record).await?;
         }
         self.commit(volume, decision).await?;
-        let ops = if self.settings.kernel_random_identity {
-            strip_identity(plan.ops)
-        } else {
-            plan.ops
+        let strip = |ops| {
+            if self.settings.kernel_random_identity {
+                strip_identity(ops)
+            } else {
+                ops
+            }
         };
-        self.target.apply(&guard, ops).await?;
+        let mut ops = plan.ops;
+        let mut live_without_reservations = plan.live_without_reservations;
+        if let Some(at) = plan.replan_after {
+            // W9: nothing on the target showed whether it has `resv_enable`; create the
+            // namespace directory, look at it, and plan the rest from what it shows.
+            ops.truncate(at + 1);
+            self.target.apply(&guard, strip(ops)).await?;
+            let probed = self.target.observe(&guard).await?;
+            let rest = plan_export(&probed, &spec).map_err(|source| AgentError::Plan {
+                volume: volume.to_string(),
+                source,
+            })?;
+            ops = rest.ops;
+            live_without_reservations = rest.live_without_reservations;
+        }
+        if !live_without_reservations.is_empty() {
+            tracing::info!(%volume, nsids = ?live_without_reservations, "namespace enabled without NVMe reservations keeps running without them (resv_enable cannot be written while enabled)");
+        }
+        self.target.apply(&guard, strip(ops)).await?;
         let after = self.target.observe(&guard).await?;
         if !self.settings.kernel_random_identity {
             verify(&after, &plan.effective)?;

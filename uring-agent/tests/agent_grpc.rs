@@ -230,6 +230,33 @@ async fn exports_carry_the_derived_identity_and_the_requested_acl() {
     }
 }
 
+// proves W9 (the agent turns reservations on before enabling a namespace where the target has
+// `resv_enable`, probing a fresh target through the namespace directory it creates), both engines
+#[tokio::test]
+async fn exports_turn_reservations_on_where_the_target_has_them() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        let _ = pillar_nvmet::ConfigfsDouble::create(a.dirs.configfs())
+            .unwrap()
+            .with_reservations();
+        a.serve_now().await;
+        let c = &mut a.client;
+        for (i, vol) in ["vol-r1", "vol-r2"].into_iter().enumerate() {
+            let g = 10 * i as u64;
+            c.create_volume(create_req("u1", g + 1, vol, 16 * MIB))
+                .await
+                .unwrap();
+            c.export(export_req("u1", g + 2, vol, true, &[1]))
+                .await
+                .unwrap();
+            let state = observe(&a.dirs.configfs()).unwrap();
+            let ns = &state.subsystems[nqn(vol).as_str()].namespaces[&NamespaceId::VOLUME];
+            assert!(ns.enabled, "{vol}");
+            assert_eq!(ns.resv_enable, Some(true), "{vol}");
+        }
+    }
+}
+
 // proves C3
 #[tokio::test]
 async fn no_export_or_grant_before_the_controller_resyncs() {

@@ -8,6 +8,7 @@
 //!   namespace's identity (rule N1), disconnect exactly one subsystem's controllers (rule N4).
 //! - [`fs`]: probe, format only blank devices (rule N3), mount, bind-mount, unmount, grow, stats.
 //! - [`stage`]: durable, atomically replaced stage records (rules N2, C4).
+//! - [`resv`]: NVMe reservations through the passthrough ioctl (rule W9).
 //!
 //! Every function takes its roots ([`HostPaths`], a state directory) explicitly: tests point them
 //! at temporary trees, production passes [`HostPaths::system`]. Nothing reads the environment to
@@ -20,6 +21,7 @@ pub mod error;
 pub mod fabrics;
 pub mod fs;
 pub mod mountinfo;
+pub mod resv;
 pub mod stage;
 pub mod sysfs;
 

@@ -70,6 +70,10 @@ pub struct StageRecord {
     pub staging_path: PathBuf,
     pub mode: StageMode,
     pub phase: StagePhase,
+    /// A single-writer read-write stage over NVMe: this node holds (or must take back after a
+    /// target restart) the namespace's Write Exclusive reservation where the target has
+    /// reservations, and releases it on unstage (rule W9).
+    pub reservation: bool,
 }
 
 /// The on-disk form: names as validated strings, plus a version.
@@ -86,6 +90,10 @@ struct RecordFile {
     staging_path: PathBuf,
     mode: StageMode,
     phase: StagePhase,
+    /// Absent (false) in records written before W9, and left out when false, so such records
+    /// read back unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    reservation: bool,
 }
 
 impl StageRecord {
@@ -101,6 +109,7 @@ impl StageRecord {
             staging_path: self.staging_path.clone(),
             mode: self.mode,
             phase: self.phase,
+            reservation: self.reservation,
         }
     }
 
@@ -132,6 +141,7 @@ impl StageRecord {
             staging_path: f.staging_path,
             mode: f.mode,
             phase: f.phase,
+            reservation: f.reservation,
         })
     }
 }
@@ -318,6 +328,7 @@ mod tests {
                 fs_type: FsType::Ext4,
             },
             phase,
+            reservation: false,
         }
     }
 

@@ -1,5 +1,5 @@
-//! The crate's only `unsafe` code: thin wrappers over mount(2), umount2(2), statvfs(3) and the
-//! BLKGETSIZE64 ioctl. Each wrapper turns its arguments into C strings it owns for the duration of
+//! The crate's `unsafe` code besides the NVMe passthrough ioctls of `resv.rs`: thin wrappers over
+//! mount(2), umount2(2), statvfs(3) and the BLKGETSIZE64 ioctl. Each wrapper turns its arguments into C strings it owns for the duration of
 //! the call and returns `io::Error::last_os_error()` on failure.
 
 use std::ffi::{CString, OsStr};

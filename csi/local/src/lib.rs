@@ -233,6 +233,7 @@ pub async fn start(
             AttachMode::LocalDevice
         },
         connect_timeout: Duration::from_secs(30),
+        reservations: true,
     })
     .map_err(LocalError::Node)?;
     let node_socket = sockets.node.clone();

@@ -143,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
                 paths: HostPaths::system(),
                 attach: AttachMode::NvmeTcp,
                 connect_timeout: Duration::from_secs(30),
+                reservations: true,
             })
             .context("node plugin")?;
             serve(

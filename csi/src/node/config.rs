@@ -38,4 +38,8 @@ pub struct NodeConfig {
     /// How long to wait for the namespace after connecting, and for a grown device to show its
     /// new size.
     pub connect_timeout: Duration,
+    /// Whether NodeStage of a read-write single-node volume takes the NVMe Write Exclusive
+    /// reservation (rule W9). On in every real deployment; off only where the NVMe devices are
+    /// stand-ins that cannot answer NVMe ioctls (loop devices under a fake sysfs in tests).
+    pub reservations: bool,
 }

@@ -158,6 +158,7 @@ impl Engine {
                                 requested: access(read_only).into(),
                             });
                         }
+                        self.reassert_on_restage(&rec);
                         tracing::info!("already staged");
                         return Ok(());
                     }
@@ -166,6 +167,7 @@ impl Engine {
                         // after a reboot it is not, and the stage runs again.
                         match self.find_device(&rec) {
                             Ok(_) => {
+                                self.reassert_on_restage(&rec);
                                 tracing::info!("already staged");
                                 return Ok(());
                             }
@@ -210,6 +212,9 @@ impl Engine {
             staging_path: staging.to_path_buf(),
             mode,
             phase: StagePhase::Connecting,
+            reservation: self.cfg.reservations
+                && matches!(ctx.target, AttachTarget::Nvme(_))
+                && super::reserve::wants_reservation(cap, read_only),
         };
         self.write_record(&record)?;
 
@@ -217,6 +222,10 @@ impl Engine {
         record.device = Some(device.hint.clone());
         record.phase = StagePhase::Connected;
         self.write_record(&record)?;
+        // W9: hold the Write Exclusive reservation before anything is written to the device.
+        if record.reservation {
+            self.reserve(volume, &device)?;
+        }
 
         if let StageMode::Filesystem { fs_type } = mode {
             let mut flags: Vec<String> = match &cap.access {
@@ -239,6 +248,14 @@ impl Engine {
         self.write_record(&record)?;
         tracing::info!(device = %device.path.display(), "staged");
         Ok(())
+    }
+
+    /// A repeated NodeStage of a staged volume takes the reservation back if the target forgot
+    /// it (W9), without preempting; a failure is logged, the stage stays as it is.
+    fn reassert_on_restage(&self, rec: &StageRecord) {
+        if let Some(message) = self.reassert(rec) {
+            tracing::warn!(%message, "already staged, but without the NVMe reservation");
+        }
     }
 
     /// A read-only stage never formats: the device must already hold `fs_type`.
@@ -343,6 +360,8 @@ impl Engine {
         let staging = rec.staging_path.as_path();
         self.refuse_if_published(volume, staging)?;
         do_unmount(staging)?;
+        // W9: best effort; the records and the ACL stay the durable fence.
+        self.unreserve(&rec);
         self.detach(&rec.nqn)?;
         self.store
             .remove(volume)
@@ -529,7 +548,17 @@ impl Engine {
                 volume: volume.to_string(),
             });
         };
-        let condition = self.condition(&rec);
+        let mut condition = self.condition(&rec);
+        // W9: after a target restart the reservation is gone; take it back (never preempting).
+        if !condition.abnormal
+            && rec.phase == StagePhase::Mounted
+            && let Some(message) = self.reassert(&rec)
+        {
+            condition = Condition {
+                abnormal: true,
+                message,
+            };
+        }
         if meta.file_type().is_block_device() {
             let total = block_device_size(path).map_err(|source| NodeError::DeviceSize {
                 device: path.to_path_buf(),

@@ -193,6 +193,14 @@ pub enum NodeError {
         source: Box<HostError>,
     },
 
+    // ---- NVMe reservations (W9) ----
+    #[error("taking the NVMe Write Exclusive reservation of volume {volume} failed")]
+    Reservation {
+        volume: String,
+        #[source]
+        source: Box<pillar_host::resv::ResvError>,
+    },
+
     // ---- filesystems and mounts ----
     #[error("preparing filesystem {fs} on {device:?} failed")]
     Format {
@@ -283,6 +291,34 @@ fn class_code(class: ErrorClass) -> Code {
     }
 }
 
+/// The code of a failed reservation step (W9). The stage fails closed in every case; the code
+/// only tells the CO whether a retry can help:
+/// - the passthrough ioctl failed (errno: the transport to the target is down, the controller
+///   is resetting): UNAVAILABLE, a retry after the reconnect may succeed;
+/// - Reservation Conflict (0x83) or a holder still listed after the acquire: another host's
+///   reservation operation raced this one; ABORTED, the CO retries and the controller's
+///   publication records decide who may stage;
+/// - the device cannot be opened or is not an NVMe namespace, any other NVMe status, a
+///   malformed report: INTERNAL (the kernel or the target does not behave as the spec says).
+fn reservation_code(err: &pillar_host::resv::ResvError) -> Code {
+    use pillar_host::resv::{CommandError, ResvError as R};
+    let command = match err {
+        R::Report { source, .. }
+        | R::Register { source, .. }
+        | R::Acquire { source, .. }
+        | R::Preempt { source, .. }
+        | R::Release { source, .. }
+        | R::Unregister { source, .. } => Some(source),
+        R::Open { .. } | R::NamespaceId { .. } | R::DecodeReport { .. } | R::NotHeld { .. } => None,
+    };
+    match (err, command) {
+        (R::NotHeld { .. }, _) => Code::Aborted,
+        (_, Some(CommandError::Ioctl(_))) => Code::Unavailable,
+        (_, Some(CommandError::Status(s))) if s.is_reservation_conflict() => Code::Aborted,
+        _ => Code::Internal,
+    }
+}
+
 /// The one table from node errors to gRPC codes.
 pub fn code_of(err: &NodeError) -> Code {
     use NodeError as E;
@@ -322,6 +358,8 @@ pub fn code_of(err: &NodeError) -> Code {
             ErrorClass::NotFound => Code::Unavailable,
             class => class_code(class),
         },
+
+        E::Reservation { source, .. } => reservation_code(source),
 
         E::OpenStageStore { source, .. }
         | E::ReadRecord { source, .. }
@@ -364,6 +402,44 @@ impl From<NodeError> for tonic::Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // proves W9 (a failed reservation step fails the stage with a code saying whether a retry
+    // can help)
+    #[test]
+    fn reservation_failures_map_to_their_codes() {
+        use pillar_host::resv::{CommandError, NvmeStatus, ResvError};
+        let wrap = |source: ResvError| NodeError::Reservation {
+            volume: "v".into(),
+            source: Box::new(source),
+        };
+        let conflict = wrap(ResvError::Preempt {
+            device: "/dev/nvme0n1".into(),
+            holder_key: 7,
+            source: CommandError::Status(NvmeStatus(0x4083)),
+        });
+        assert_eq!(code_of(&conflict), Code::Aborted);
+        assert!(describe(&conflict).contains("reservation conflict"));
+        let ioctl = wrap(ResvError::Acquire {
+            device: "/dev/nvme0n1".into(),
+            source: CommandError::Ioctl(io::Error::from_raw_os_error(libc::ENOTCONN)),
+        });
+        assert_eq!(code_of(&ioctl), Code::Unavailable);
+        let held = wrap(ResvError::NotHeld {
+            device: "/dev/nvme0n1".into(),
+            found: "x".into(),
+        });
+        assert_eq!(code_of(&held), Code::Aborted);
+        let other = wrap(ResvError::Register {
+            device: "/dev/nvme0n1".into(),
+            source: CommandError::Status(NvmeStatus(0x4006)),
+        });
+        assert_eq!(code_of(&other), Code::Internal);
+        let open = wrap(ResvError::Open {
+            device: "/dev/nvme0n1".into(),
+            source: io::Error::from_raw_os_error(libc::ENOENT),
+        });
+        assert_eq!(code_of(&open), Code::Internal);
+    }
 
     #[test]
     fn host_errors_map_by_class_and_waits_are_retryable() {

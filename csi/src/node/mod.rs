@@ -10,13 +10,15 @@
 //! Rules: N1 (connect with the node's own host NQN and host ID, verify the namespace identity
 //! before touching the device), N2 (stage record written before attaching), N3 (only a blank
 //! device is formatted), N4 (unstage disconnects only this subsystem's controllers of this host),
-//! C4 (a corrupt stage record is an error).
+//! C4 (a corrupt stage record is an error), W9 (a single-writer stager holds the NVMe Write
+//! Exclusive reservation where the target has reservations: `reserve`).
 
 mod attach;
 mod config;
 mod engine;
 mod error;
 mod request;
+mod reserve;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};

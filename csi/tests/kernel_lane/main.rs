@@ -38,6 +38,9 @@
 //!    node reaches the device (a marker written then stays intact), its writes fail or hang, and
 //!    the new node mounts a clean filesystem with every write the old one had acknowledged; its
 //!    control (an ACL-only revoke) shows the marker overwritten
+//! 10. NVMe reservations (W9): with `resv_enable` the stager holds Write Exclusive, a connected
+//!     second host cannot write, the next stager preempts and aborts the first; without it,
+//!     nothing is written to it and the stage works
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers),
@@ -49,6 +52,7 @@ mod harness;
 mod lvm;
 mod reboot;
 
+mod s10_reservations;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;

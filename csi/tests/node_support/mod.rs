@@ -219,6 +219,9 @@ pub fn config(dir: &Path, attach: AttachMode, paths: HostPaths) -> NodeConfig {
         paths,
         attach,
         connect_timeout: Duration::from_secs(3),
+        // The fake sysfs's namespaces are loop devices, which answer no NVMe ioctl; the tests
+        // that want the reservation step turn it on.
+        reservations: false,
     }
 }
 

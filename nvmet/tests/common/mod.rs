@@ -16,8 +16,20 @@ pub struct Fixture {
 
 impl Fixture {
     pub fn new() -> Self {
+        Self::build(false)
+    }
+
+    /// A fixture whose double models a kernel with NVMe reservations (`resv_enable`).
+    pub fn with_reservations() -> Self {
+        Self::build(true)
+    }
+
+    fn build(reservations: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let double = ConfigfsDouble::create(dir.path().join("nvmet")).unwrap();
+        let mut double = ConfigfsDouble::create(dir.path().join("nvmet")).unwrap();
+        if reservations {
+            double = double.with_reservations();
+        }
         // The double checks that device_path exists when a namespace is enabled.
         let device = dir.path().join("disk0.img");
         std::fs::write(&device, b"").unwrap();
@@ -38,11 +50,22 @@ impl Fixture {
         observe(self.double.root()).unwrap()
     }
 
-    /// Plans and applies `spec`, returning the plan.
+    /// Plans and applies `spec` as the agent does (applying up to `replan_after` and planning
+    /// again when the plan asks for it), returning the last plan.
     pub fn export(&mut self, spec: &ExportSpec) -> ExportPlan {
         let plan = plan_export(&self.state(), spec).unwrap();
-        apply(&mut self.double, &plan.ops).unwrap();
-        plan
+        let Some(at) = plan.replan_after else {
+            apply(&mut self.double, &plan.ops).unwrap();
+            return plan;
+        };
+        apply(&mut self.double, &plan.ops[..=at]).unwrap();
+        let again = plan_export(&self.state(), spec).unwrap();
+        assert_eq!(
+            again.replan_after, None,
+            "a second plan never needs a third"
+        );
+        apply(&mut self.double, &again.ops).unwrap();
+        again
     }
 
     /// Plans and applies the removal of `nqn`.
