@@ -16,7 +16,9 @@
 //! - a namespace is enabled only while its subsystem admits a host (W7): enabled before the
 //!   first host is linked, disabled after the last is unlinked. The kernel keeps the identity
 //!   and device of a disabled namespace, and returns from `enable=0` only once no command is in
-//!   flight on it, so a revoke that leaves nobody admitted is drained.
+//!   flight on it, so a revoke that leaves nobody admitted is drained. A disabled namespace
+//!   shows no host its identity, so only the caller knows whether an identity it holds was
+//!   adopted: after an adoption, plan with [`ExportPlan::effective`] (the agent records it).
 //! - `resv_enable=1` is written before `enable` where the namespace directory has the attribute
 //!   (probed, never guessed from a kernel version), never on an enabled namespace (W9, K6).
 //!

@@ -309,8 +309,14 @@ proptest! {
                     let got_ns = plan.adoptions.iter().any(|a| matches!(a, Adoption::Namespace { .. }));
                     let got_serial = plan.adoptions.iter().any(|a| matches!(a, Adoption::Serial { .. }));
                     prop_assert_eq!((got_ns, got_serial), (expect_ns, expect_serial), "{:?}", plan.adoptions);
-                    let same = plan_export(&after, &spec).unwrap();
-                    prop_assert!(same.ops.is_empty(), "second plan not empty: {:?}", same.ops);
+                    // After a namespace adoption the caller plans with `plan.effective` (the
+                    // agent records it durably before applying): once the namespace is disabled
+                    // (nobody admitted, W7) configfs alone no longer says its identity was seen,
+                    // and a plan from the derived spec would write the derived identity.
+                    if !got_ns {
+                        let same = plan_export(&after, &spec).unwrap();
+                        prop_assert!(same.ops.is_empty(), "second plan not empty: {:?}", same.ops);
+                    }
                     let again = plan_export(&after, &plan.effective).unwrap();
                     prop_assert!(again.ops.is_empty(), "second plan not empty: {:?}", again.ops);
                     prop_assert!(again.adoptions.is_empty(), "{:?}", again.adoptions);
