@@ -10,4 +10,4 @@ dir=${1:-$(mktemp -d -t pillar-local.XXXXXX)}
 # The workspace test build builds every binary too, with the features the tests use: one build
 # serves this demo, scripts/test.sh and the kernel lane.
 cargo test --locked --workspace --no-run --quiet
-exec ./target/debug/pillar-local --dir "$dir" --demo
+exec "${CARGO_TARGET_DIR:-./target}/debug/pillar-local" --dir "$dir" --demo
