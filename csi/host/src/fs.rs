@@ -35,6 +35,9 @@ pub const GROW_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const PROBE_READ: u64 = 1 << 20;
 /// Most unmounts tried on one target (mounts can be stacked).
 const MAX_UNMOUNTS: u32 = 16;
+/// How often an unmount refused with EBUSY is tried again, and the pause before each try.
+const BUSY_RETRIES: u32 = 10;
+const BUSY_PAUSE: Duration = Duration::from_millis(50);
 
 /// A filesystem pillar can create.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -617,15 +620,26 @@ pub fn is_mountpoint(path: &Path) -> Result<bool, HostError> {
 /// success.
 pub fn unmount(target: &Path) -> Result<(), HostError> {
     let c_target = sys::cstring(target.as_os_str())?;
-    for _ in 0..MAX_UNMOUNTS {
+    let mut busy = 0;
+    let mut attempts = 0;
+    while attempts < MAX_UNMOUNTS {
         if !is_mountpoint(target)? {
             return Ok(());
         }
         tracing::info!(target = %target.display(), "unmounting");
         match sys::umount2(&c_target, 0) {
-            Ok(()) => {}
+            Ok(()) => attempts += 1,
             // Not (or no longer) a mount point: the next check decides.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {
+                attempts += 1;
+            }
+            // A holder about to go: a child between fork and exec still holding a descriptor
+            // of a file under the mount, a probe. Wait a little; a lasting holder still fails.
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && busy < BUSY_RETRIES => {
+                busy += 1;
+                tracing::info!(target = %target.display(), attempt = busy, "mount point busy; trying again");
+                std::thread::sleep(BUSY_PAUSE);
+            }
             Err(source) => {
                 return Err(HostError::Unmount {
                     target: target.to_path_buf(),

@@ -256,6 +256,36 @@ fn stacked_mounts_are_all_unmounted() {
     assert!(!mnt.join("top").exists());
 }
 
+// A mount point held for a moment (here a file kept open 300 ms; in the test suite, a child
+// forked by another thread that still held a descriptor of a file under it) is unmounted once the
+// holder is gone, not refused with EBUSY; one held for good still fails, and stays mounted.
+#[test]
+fn a_briefly_busy_mount_point_is_unmounted() {
+    let lo = LoopDevice::new(SIZE);
+    let mnt = lo.dir("mnt");
+    format_if_blank(&lo.dev, FsType::Ext4, &[]).unwrap();
+    let _m = mounted(&lo.dev, &mnt, FsType::Ext4, false);
+    let held = fs::File::create(mnt.join("held")).unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(held);
+    });
+    unmount(&mnt).expect("unmounted once the holder closed its file");
+    release.join().unwrap();
+    assert!(!is_mountpoint(&mnt).unwrap());
+
+    let _m = mounted(&lo.dev, &mnt, FsType::Ext4, false);
+    let _held = fs::File::create(mnt.join("held")).unwrap();
+    let err = unmount(&mnt).expect_err("a mount point held for good cannot be unmounted");
+    assert!(
+        matches!(&err, pillar_host::HostError::Unmount { source, .. } if source.raw_os_error() == Some(libc::EBUSY)),
+        "{err:?}"
+    );
+    assert!(is_mountpoint(&mnt).unwrap());
+    drop(_held);
+    unmount(&mnt).unwrap();
+}
+
 #[test]
 fn bad_mount_options_fail_and_leave_nothing_mounted() {
     let lo = LoopDevice::new(SIZE);
