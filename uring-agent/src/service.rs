@@ -445,7 +445,7 @@ impl Agent {
         self.commit(volume, decision).await?;
         let strip = |ops| {
             if self.settings.kernel_random_identity {
-                strip_identity(ops)
+                strip_writes(ops, IDENTITY)
             } else {
                 ops
             }
@@ -586,7 +586,11 @@ impl Agent {
                 source,
             })?;
         let acl_only = intent == Intent::Revoke && self.settings.unsafe_revoke_acl_only;
-        let ops = if acl_only { strip_enable(ops) } else { ops };
+        let ops = if acl_only {
+            strip_writes(ops, ENABLE)
+        } else {
+            ops
+        };
         self.commit(volume, decision).await?;
         // A revoke that leaves nobody admitted ends with the namespace disabled: the kernel
         // returns from that write only once every command in flight on it has completed.
@@ -743,22 +747,17 @@ fn record_of(effective: &ExportSpec) -> IdentityRecord {
     }
 }
 
-/// Drops namespace enable/disable writes from a plan (the test-only ACL-only revoke).
-fn strip_enable(ops: Vec<pillar_nvmet::Op>) -> Vec<pillar_nvmet::Op> {
-    ops.into_iter()
-        .filter(|op| {
-            !matches!(op, pillar_nvmet::Op::Write { path, .. }
-                if path.file_name().is_some_and(|n| n == "enable"))
-        })
-        .collect()
-}
+/// Attributes the test-only modes leave out of a plan: namespace enable/disable (the ACL-only
+/// revoke) and identity (the kernel-random mode).
+const ENABLE: &[&str] = &["enable"];
+const IDENTITY: &[&str] = &["device_uuid", "device_nguid", "attr_serial"];
 
-/// Drops identity writes from a plan (the test-only kernel-random mode).
-fn strip_identity(ops: Vec<pillar_nvmet::Op>) -> Vec<pillar_nvmet::Op> {
+/// Drops the writes of the attributes `names` from a plan.
+fn strip_writes(ops: Vec<pillar_nvmet::Op>, names: &[&str]) -> Vec<pillar_nvmet::Op> {
     ops.into_iter()
         .filter(|op| {
             !matches!(op, pillar_nvmet::Op::Write { path, .. }
-                if path.file_name().is_some_and(|n| n == "device_uuid" || n == "device_nguid" || n == "attr_serial"))
+                if path.file_name().is_some_and(|n| names.iter().any(|x| n == *x)))
         })
         .collect()
 }
