@@ -17,6 +17,7 @@ pub mod identity;
 pub mod model;
 pub mod names;
 pub mod plan;
+pub mod target_model;
 
 pub use double::ConfigfsDouble;
 pub use exec::{
@@ -25,13 +26,14 @@ pub use exec::{
 pub use identity::{IdentityError, NamespaceIdentity, Nguid, Serial, derive_serial};
 pub use model::{
     ExportSpec, HostAccess, NamespaceSpec, NamespaceState, ObserveError, PortSpec, PortState,
-    SubsystemState, TargetState, Transport, observe,
+    SubsystemState, TargetState, Transport, observe, observe_scope,
 };
 pub use names::{HostNqn, NameError, NamespaceId, Nqn, PortId, SubsystemNqn, VolumeId};
 pub use plan::{
     Adoption, ExportPlan, Op, PlanError, plan_acl, plan_cut_connections, plan_export,
     plan_revalidate, plan_unexport,
 };
+pub use target_model::TargetModel;
 
 /// Where the kernel mounts the nvmet configfs tree.
 pub const KERNEL_NVMET_ROOT: &str = "/sys/kernel/config/nvmet";

@@ -269,6 +269,69 @@ pub fn observe(root: &Path) -> Result<TargetState, ObserveError> {
     Ok(state)
 }
 
+/// Reads what an operation on the subsystem `nqn` touches, at a cost independent of how many
+/// other subsystems the tree holds: the subsystem itself (absent if it does not exist), every
+/// port's attributes and referrals with its link to `nqn` and at most one other of its links (a
+/// witness that the port is shared), and the names of the host entries.
+///
+/// The port links are found by their names, as pillar makes them (the link to `nqn` is named
+/// `nqn` and its target is checked); a link made by hand under another name shows only as a
+/// witness. [`observe`] reads everything.
+pub fn observe_scope(root: &Path, nqn: &str) -> Result<TargetState, ObserveError> {
+    let mut state = TargetState::default();
+    for name in list_dir(&root.join(HOSTS))? {
+        state.hosts.insert(name);
+    }
+    let dir = root.join(SUBSYSTEMS).join(nqn);
+    match std::fs::symlink_metadata(&dir) {
+        Ok(_) => {
+            state
+                .subsystems
+                .insert(nqn.to_owned(), observe_subsystem(root, &dir)?);
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => return Err(ObserveError::ListDir { path: dir, source }),
+    }
+    for name in list_dir(&root.join(PORTS))? {
+        let dir = root.join(PORTS).join(&name);
+        let id = PortId::parse(&name)
+            .map_err(|_| ObserveError::UnexpectedEntry { path: dir.clone() })?;
+        state.ports.insert(id, observe_port_scope(root, &dir, nqn)?);
+    }
+    Ok(state)
+}
+
+fn observe_port_scope(root: &Path, dir: &Path, nqn: &str) -> Result<PortState, ObserveError> {
+    let mut port = observe_port_attributes(dir)?;
+    let subs_dir = dir.join(SUBSYSTEMS);
+    let own = subs_dir.join(nqn);
+    match std::fs::symlink_metadata(&own) {
+        Ok(_) => {
+            port.subsystems
+                .insert(link_target_name(root, &own, SUBSYSTEMS)?);
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => return Err(ObserveError::ReadLink { path: own, source }),
+    }
+    // One other link is enough to know the port is shared; stop reading there.
+    let list_err = |source| ObserveError::ListDir {
+        path: subs_dir.clone(),
+        source,
+    };
+    for entry in std::fs::read_dir(&subs_dir).map_err(list_err)? {
+        let entry = entry.map_err(list_err)?;
+        let name = entry.file_name();
+        let name = name
+            .to_str()
+            .ok_or_else(|| ObserveError::UnexpectedEntry { path: entry.path() })?;
+        if name != nqn {
+            port.subsystems.insert(name.to_owned());
+            break;
+        }
+    }
+    Ok(port)
+}
+
 fn observe_subsystem(root: &Path, dir: &Path) -> Result<SubsystemState, ObserveError> {
     let allow = read_attr(&dir.join("attr_allow_any_host"))?;
     let mut sub = SubsystemState {
@@ -333,23 +396,28 @@ fn observe_namespace(dir: &Path) -> Result<NamespaceState, ObserveError> {
 }
 
 fn observe_port(root: &Path, dir: &Path) -> Result<PortState, ObserveError> {
-    let mut port = PortState {
-        trtype: read_attr(&dir.join("addr_trtype"))?,
-        adrfam: read_attr(&dir.join("addr_adrfam"))?,
-        traddr: read_attr(&dir.join("addr_traddr"))?,
-        trsvcid: read_attr(&dir.join("addr_trsvcid"))?,
-        ..PortState::default()
-    };
-    let subs_dir = dir.join("subsystems");
+    let mut port = observe_port_attributes(dir)?;
+    let subs_dir = dir.join(SUBSYSTEMS);
     for name in list_dir(&subs_dir)? {
         let link = subs_dir.join(&name);
         port.subsystems
             .insert(link_target_name(root, &link, SUBSYSTEMS)?);
     }
-    port.referrals = list_dir(&dir.join("referrals"))
-        .map(|r| r.len())
-        .unwrap_or(0);
     Ok(port)
+}
+
+/// A port's address attributes and referral count, without its links.
+fn observe_port_attributes(dir: &Path) -> Result<PortState, ObserveError> {
+    Ok(PortState {
+        trtype: read_attr(&dir.join("addr_trtype"))?,
+        adrfam: read_attr(&dir.join("addr_adrfam"))?,
+        traddr: read_attr(&dir.join("addr_traddr"))?,
+        trsvcid: read_attr(&dir.join("addr_trsvcid"))?,
+        subsystems: BTreeSet::new(),
+        referrals: list_dir(&dir.join("referrals"))
+            .map(|r| r.len())
+            .unwrap_or(0),
+    })
 }
 
 fn list_dir(path: &Path) -> Result<Vec<String>, ObserveError> {

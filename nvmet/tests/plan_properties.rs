@@ -9,7 +9,9 @@
 //! - the plan applies on the kernel-faithful double without an errno (K2-K16);
 //! - the read-back equals the plan's effective state, and identity was adopted exactly where the
 //!   kernel forbids a rewrite (I3, I4);
-//! - a second plan for the same desired state is empty (convergence).
+//! - a second plan for the same desired state is empty (convergence);
+//! - planning from the agent's model (`TargetModel`, kept current with scoped reads) gives the
+//!   same plan as planning from a full read, and a scoped read-back verifies the same.
 //!
 //! Bounded for CI: 32 cases, each a fresh tree of three volumes.
 #![allow(clippy::unwrap_used)]
@@ -21,8 +23,9 @@ use std::path::PathBuf;
 
 use common::{Fixture, export, host, only};
 use pillar_nvmet::{
-    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec, VolumeId,
-    apply, derive_serial, plan_export, plan_unexport, verify,
+    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec,
+    TargetModel, VolumeId, apply, derive_serial, observe_scope, plan_acl, plan_cut_connections,
+    plan_export, plan_unexport, verify,
 };
 use proptest::prelude::*;
 
@@ -271,14 +274,28 @@ proptest! {
         for ((volume, device), seed) in VOLUMES.iter().zip(&devices).zip(&seeds) {
             build(&mut f, volume, device, seed);
         }
+        let mut model = TargetModel::new(f.state());
         for (i, want) in wants.iter().enumerate() {
             let volume = VOLUMES[i];
             let nqn = VolumeId::parse(volume).unwrap().subsystem_nqn();
             let before = f.state();
+            // The agent plans from its model at the cost of a scoped read (issue 11): same plans.
+            model.refresh(nqn.as_str(), &observe_scope(f.double.root(), nqn.as_str()).unwrap());
+            let view = model.view(nqn.as_str());
+            prop_assert_eq!(plan_unexport(&view, &nqn), plan_unexport(&before, &nqn));
+            prop_assert_eq!(plan_cut_connections(&view, &nqn), plan_cut_connections(&before, &nqn));
+            for access in [HostAccess::AnyHost, only(&[]), only(&[0, 3])] {
+                let expected = BTreeMap::new();
+                prop_assert_eq!(
+                    plan_acl(&view, &nqn, &access, &expected),
+                    plan_acl(&before, &nqn, &access, &expected)
+                );
+            }
             match want {
                 Want::Absent => {
                     let ops = plan_unexport(&before, &nqn).unwrap();
                     apply(&mut f.double, &ops).map_err(|e| TestCaseError::fail(format!("{e}: {e:?}")))?;
+                    model.refresh(nqn.as_str(), &observe_scope(f.double.root(), nqn.as_str()).unwrap());
                     let after = f.state();
                     prop_assert!(!after.subsystems.contains_key(nqn.as_str()));
                     prop_assert!(after.ports_linking(nqn.as_str()).next().is_none());
@@ -288,8 +305,13 @@ proptest! {
                     let access = if *any_host { HostAccess::AnyHost } else { only(hosts) };
                     let spec = export(volume, &devices[i], access, ports(p));
                     let plan = plan_export(&before, &spec).unwrap();
+                    prop_assert_eq!(&plan_export(&view, &spec).unwrap(), &plan);
                     apply(&mut f.double, &plan.ops)
                         .map_err(|e| TestCaseError::fail(format!("{e}: {e:?}\nseed {:?}", seeds[i])))?;
+                    let scoped = observe_scope(f.double.root(), nqn.as_str()).unwrap();
+                    verify(&scoped, &plan.effective)
+                        .map_err(|e| TestCaseError::fail(format!("scoped: {e:?}")))?;
+                    model.refresh(nqn.as_str(), &scoped);
                     let after = f.state();
                     verify(&after, &plan.effective)
                         .map_err(|e| TestCaseError::fail(format!("{e:?}")))?;

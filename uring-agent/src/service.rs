@@ -3,7 +3,11 @@
 //! Invariants:
 //! - Every mutating operation takes the volume's lock, reads the fencing mark, decides, makes the
 //!   new mark durable, and applies the change, all before releasing the lock (F5, F7). A
-//!   rejected request changes nothing.
+//!   rejected request changes nothing. The mark is written before the target lock is taken,
+//!   so no volume's fsync holds up another volume's configfs change.
+//! - The target lock is shared by changes confined to their own subsystem and exclusive for
+//!   changes of ports and host entries (`Target`, `plan_under_lock`): operations on different
+//!   volumes run concurrently, and their engine work shares submissions and group commits.
 //! - Requests arrive parsed: volume IDs, host NQNs, ports and sizes are typed values, checked at
 //!   the gRPC edge (`grpc`) before anything here runs, so a malformed request changes nothing.
 //! - After a start the agent is `WaitingForResync`: it creates no export and grants nothing until
@@ -27,6 +31,7 @@ use pillar_nvmet::{
     SubsystemNqn, VolumeId, plan_acl, plan_cut_connections, plan_export, plan_revalidate,
     plan_unexport, verify, verify_acl, volume_export,
 };
+use pillar_nvmet::{Op, TargetState};
 use tokio::sync::RwLock;
 
 use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
@@ -34,7 +39,11 @@ use crate::engine::Engine;
 use crate::fence::{Decision, Intent, MarkError, MarkStore, Rejection, Token, decide};
 use crate::hooks::{HookPoint, Hooks};
 use crate::metrics::Metrics;
-use crate::target::{IdentityRecord, Target, TargetError};
+use crate::target::{IdentityRecord, Target, TargetError, TargetGuard, touches_shared};
+
+/// How many exports a resync applies at once: enough that the engine gathers their configfs
+/// chains and mark writes into shared submissions and group commits.
+const RESYNC_IN_FLIGHT: usize = 64;
 
 /// Why an agent operation failed. Mapped to gRPC codes once, in `grpc`.
 #[derive(Debug, thiserror::Error)]
@@ -335,22 +344,29 @@ impl Agent {
         let _lock = self.lock_volume(volume).await;
         self.fence(volume, token.as_ref(), Intent::Expand).await?;
         let info = backend.expand(volume, size.bytes()).await?;
-        let guard = self.target.lock().await;
-        let state = self.target.observe(&guard).await?;
         let nqn = volume.subsystem_nqn();
-        let live = state
-            .subsystem(&nqn)
-            .and_then(|s| s.namespaces.get(&NamespaceId::VOLUME))
-            .is_some_and(|ns| ns.enabled);
-        if live {
-            let ops = plan_revalidate(&state, &nqn, NamespaceId::VOLUME).map_err(|source| {
-                AgentError::Plan {
-                    volume: volume.to_string(),
-                    source,
-                }
-            })?;
-            self.target.apply(&guard, ops).await?;
-        }
+        let (guard, ops) = self
+            .plan_under_lock(
+                &nqn,
+                |view| {
+                    let live = view
+                        .subsystem(&nqn)
+                        .and_then(|s| s.namespaces.get(&NamespaceId::VOLUME))
+                        .is_some_and(|ns| ns.enabled);
+                    if !live {
+                        return Ok(Vec::new());
+                    }
+                    plan_revalidate(view, &nqn, NamespaceId::VOLUME).map_err(|source| {
+                        AgentError::Plan {
+                            volume: volume.to_string(),
+                            source,
+                        }
+                    })
+                },
+                |ops| ops,
+            )
+            .await?;
+        self.target.apply(&guard, ops).await?;
         Ok(info)
     }
 
@@ -366,12 +382,13 @@ impl Agent {
         // Reject stale requests before revealing anything about the volume.
         let decision = self.check(volume, token.as_ref(), Intent::Delete)?;
         {
-            let guard = self.target.lock().await;
+            let nqn = volume.subsystem_nqn();
+            let guard = self.target.shared().await;
             if self
                 .target
-                .observe(&guard)
+                .read_back(&guard, nqn.as_str())
                 .await?
-                .subsystem(&volume.subsystem_nqn())
+                .subsystem(&nqn)
                 .is_some()
             {
                 return Err(AgentError::StillExported {
@@ -430,19 +447,26 @@ impl Agent {
         if let Some(record) = &recorded {
             apply_record(&mut spec, record);
         }
-        let guard = self.target.lock().await;
-        let state = self.target.observe(&guard).await?;
-        let plan = plan_export(&state, &spec).map_err(|source| AgentError::Plan {
-            volume: volume.to_string(),
-            source,
-        })?;
+        self.commit(volume, decision).await?;
+        let nqn = spec.nqn.clone();
+        let (guard, plan) = self
+            .plan_under_lock(
+                &nqn,
+                |view| {
+                    plan_export(view, &spec).map_err(|source| AgentError::Plan {
+                        volume: volume.to_string(),
+                        source,
+                    })
+                },
+                |plan| &plan.ops,
+            )
+            .await?;
         let adopted = !plan.adoptions.is_empty();
         if adopted {
             let record = record_of(&plan.effective);
             tracing::warn!(%volume, ?plan.adoptions, "live export has a non-derived identity; keeping and recording it");
             self.target.record_identity(volume, &record).await?;
         }
-        self.commit(volume, decision).await?;
         let strip = |ops| {
             if self.settings.kernel_random_identity {
                 strip_writes(ops, IDENTITY)
@@ -457,7 +481,7 @@ impl Agent {
             // namespace directory, look at it, and plan the rest from what it shows.
             ops.truncate(at + 1);
             self.target.apply(&guard, strip(ops)).await?;
-            let probed = self.target.observe(&guard).await?;
+            let probed = self.target.read_back_view(&guard, nqn.as_str()).await?;
             let rest = plan_export(&probed, &spec).map_err(|source| AgentError::Plan {
                 volume: volume.to_string(),
                 source,
@@ -469,7 +493,7 @@ impl Agent {
             tracing::info!(%volume, nsids = ?live_without_reservations, "namespace enabled without NVMe reservations keeps running without them (resv_enable cannot be written while enabled)");
         }
         self.target.apply(&guard, strip(ops)).await?;
-        let after = self.target.observe(&guard).await?;
+        let after = self.target.read_back(&guard, nqn.as_str()).await?;
         if !self.settings.kernel_random_identity {
             verify(&after, &plan.effective)?;
         }
@@ -490,14 +514,26 @@ impl Agent {
         let _lock = self.lock_volume(volume).await;
         self.fence(volume, token.as_ref(), Intent::Unexport).await?;
         let nqn = volume.subsystem_nqn();
-        let guard = self.target.lock().await;
-        let state = self.target.observe(&guard).await?;
-        let ops = plan_unexport(&state, &nqn).map_err(|source| AgentError::Plan {
-            volume: volume.to_string(),
-            source,
-        })?;
+        let (guard, ops) = self
+            .plan_under_lock(
+                &nqn,
+                |view| {
+                    plan_unexport(view, &nqn).map_err(|source| AgentError::Plan {
+                        volume: volume.to_string(),
+                        source,
+                    })
+                },
+                |ops| ops,
+            )
+            .await?;
         self.target.apply(&guard, ops).await?;
-        if self.target.observe(&guard).await?.subsystem(&nqn).is_some() {
+        if self
+            .target
+            .read_back(&guard, nqn.as_str())
+            .await?
+            .subsystem(&nqn)
+            .is_some()
+        {
             return Err(AgentError::Verify(pillar_nvmet::VerifyError {
                 nqn: nqn.to_string(),
                 mismatches: vec![pillar_nvmet::Mismatch {
@@ -543,24 +579,61 @@ impl Agent {
     ) -> Result<(), AgentError> {
         let _lock = self.lock_volume(volume).await;
         let decision = self.check(volume, token.as_ref(), intent)?;
+        self.commit(volume, decision).await?;
         let nqn = volume.subsystem_nqn();
-        let guard = self.target.lock().await;
-        let state = self.target.observe(&guard).await?;
-        let Some(sub) = state.subsystem(&nqn) else {
+        let acl_only = intent == Intent::Revoke && self.settings.unsafe_revoke_acl_only;
+        let (guard, planned) = self
+            .plan_under_lock(
+                &nqn,
+                |view| self.plan_acl_change(view, volume, host, intent, acl_only),
+                |planned| planned.as_ref().map_or(&[][..], |(ops, _)| ops.as_slice()),
+            )
+            .await?;
+        let Some((ops, access)) = planned else {
+            return Ok(());
+        };
+        // A revoke that leaves nobody admitted ends with the namespace disabled: the kernel
+        // returns from that write only once every command in flight on it has completed.
+        self.target.apply(&guard, ops).await?;
+        if intent == Intent::Revoke && !acl_only {
+            // Removing the host from allowed_hosts stops new connections only; unlinking the
+            // subsystem from its ports deletes its controllers, and only allowed hosts reconnect.
+            let cut =
+                plan_cut_connections(&self.target.read_back(&guard, nqn.as_str()).await?, &nqn);
+            self.target.apply(&guard, cut).await?;
+        }
+        verify_acl(
+            &self.target.read_back(&guard, nqn.as_str()).await?,
+            &nqn,
+            &access,
+        )?;
+        tracing::info!(%volume, %host, ?intent, "ACL changed");
+        Ok(())
+    }
+
+    /// The ACL change of `intent` for `host` on what `view` shows: `None` when there is nothing
+    /// to change (a revoke of a volume not exported here; `acl: false`, where the controller's
+    /// publication record is the only guard and cutting connections would keep nobody out).
+    fn plan_acl_change(
+        &self,
+        view: &TargetState,
+        volume: &VolumeId,
+        host: &HostNqn,
+        intent: Intent,
+        acl_only: bool,
+    ) -> Result<Option<(Vec<Op>, HostAccess)>, AgentError> {
+        let nqn = volume.subsystem_nqn();
+        let Some(sub) = view.subsystem(&nqn) else {
             if intent == Intent::Revoke {
                 // Nothing exported: nobody can reach the volume through this node.
-                self.commit(volume, decision).await?;
-                return Ok(());
+                return Ok(None);
             }
             return Err(AgentError::NotExported {
                 volume: volume.to_string(),
             });
         };
         if sub.allow_any_host {
-            // acl: false. Any host may connect; the controller's publication record is the only
-            // guard, and cutting connections would not keep anyone out.
-            self.commit(volume, decision).await?;
-            return Ok(());
+            return Ok(None);
         }
         let mut hosts = sub
             .allowed_hosts
@@ -580,30 +653,45 @@ impl Agent {
         }
         let access = HostAccess::Only(hosts);
         let expected = self.expected_identities(volume, sub)?;
-        let ops =
-            plan_acl(&state, &nqn, &access, &expected).map_err(|source| AgentError::Plan {
-                volume: volume.to_string(),
-                source,
-            })?;
-        let acl_only = intent == Intent::Revoke && self.settings.unsafe_revoke_acl_only;
+        let ops = plan_acl(view, &nqn, &access, &expected).map_err(|source| AgentError::Plan {
+            volume: volume.to_string(),
+            source,
+        })?;
         let ops = if acl_only {
             strip_writes(ops, ENABLE)
         } else {
             ops
         };
-        self.commit(volume, decision).await?;
-        // A revoke that leaves nobody admitted ends with the namespace disabled: the kernel
-        // returns from that write only once every command in flight on it has completed.
-        self.target.apply(&guard, ops).await?;
-        if intent == Intent::Revoke && !acl_only {
-            // Removing the host from allowed_hosts stops new connections only; unlinking the
-            // subsystem from its ports deletes its controllers, and only allowed hosts reconnect.
-            let cut = plan_cut_connections(&self.target.observe(&guard).await?, &nqn);
-            self.target.apply(&guard, cut).await?;
+        Ok(Some((ops, access)))
+    }
+
+    /// Takes the target lock and plans with `plan` on the state of `nqn`: under the shared lock
+    /// when the plan stays inside the subsystem, under the exclusive lock when it creates,
+    /// removes or configures a port or host entry, or the model must be loaded first; planned
+    /// again after switching, since the state may have changed meanwhile.
+    async fn plan_under_lock<P>(
+        &self,
+        nqn: &SubsystemNqn,
+        mut plan: impl FnMut(&TargetState) -> Result<P, AgentError>,
+        ops: impl Fn(&P) -> &[Op],
+    ) -> Result<(TargetGuard<'_>, P), AgentError> {
+        let mut exclusive = !self.target.model_current();
+        loop {
+            let guard = if exclusive {
+                self.target.exclusive().await
+            } else {
+                self.target.shared().await
+            };
+            let Some(view) = self.target.plan_view(&guard, nqn.as_str()).await? else {
+                exclusive = true;
+                continue;
+            };
+            let planned = plan(&view)?;
+            if guard.is_exclusive() || !ops(&planned).iter().any(touches_shared) {
+                return Ok((guard, planned));
+            }
+            exclusive = true;
         }
-        verify_acl(&self.target.observe(&guard).await?, &nqn, &access)?;
-        tracing::info!(%volume, %host, ?intent, "ACL changed");
-        Ok(())
     }
 
     /// The identity each namespace of `volume` must show before a grant enables it: the
@@ -637,27 +725,39 @@ impl Agent {
         &self,
         exports: Vec<ExportRequest>,
     ) -> Result<(Vec<ResyncOutcome>, Vec<String>), AgentError> {
+        use futures::StreamExt as _;
         let listed: BTreeSet<VolumeId> = exports.iter().map(|e| e.volume.clone()).collect();
-        let mut outcomes = Vec::with_capacity(exports.len());
-        for request in exports {
-            let volume = request.volume.clone();
-            let result = self.export_unchecked(request, Intent::Resync).await;
-            if let Err(e) = &result {
-                tracing::warn!(%volume, error = %e, "resync of one export failed");
-            }
-            outcomes.push(ResyncOutcome { volume, result });
+        {
+            // One full read for the whole resync; every export then reads only its own scope.
+            let guard = self.target.exclusive().await;
+            self.target.observe_all(&guard).await?;
         }
-        let unlisted = {
-            let guard = self.target.lock().await;
-            let state = self.target.observe(&guard).await?;
-            state
-                .subsystems
-                .keys()
-                .filter_map(|name| SubsystemNqn::parse(name).ok()?.volume_id().ok())
-                .filter(|v| !listed.contains(v))
-                .map(|v| v.to_string())
-                .collect::<Vec<_>>()
+        let outcomes: Vec<ResyncOutcome> = futures::stream::iter(exports)
+            .map(|request| async move {
+                let volume = request.volume.clone();
+                let result = self.export_unchecked(request, Intent::Resync).await;
+                if let Err(e) = &result {
+                    tracing::warn!(%volume, error = %e, "resync of one export failed");
+                }
+                ResyncOutcome { volume, result }
+            })
+            .buffered(RESYNC_IN_FLIGHT)
+            .collect()
+            .await;
+        let subsystems = match self.target.modelled_subsystems() {
+            Some(names) => names,
+            None => {
+                let guard = self.target.exclusive().await;
+                let state = self.target.observe_all(&guard).await?;
+                state.subsystems.into_keys().collect()
+            }
         };
+        let unlisted = subsystems
+            .iter()
+            .filter_map(|name| SubsystemNqn::parse(name).ok()?.volume_id().ok())
+            .filter(|v| !listed.contains(v))
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>();
         *self.unrestored_set() = outcomes
             .iter()
             .filter(|o| o.result.is_err())
@@ -690,8 +790,8 @@ impl Agent {
 
     /// pillar's exports on this node.
     pub async fn list_exports(&self) -> Result<Vec<ExportSummary>, AgentError> {
-        let guard = self.target.lock().await;
-        let state = self.target.observe(&guard).await?;
+        let guard = self.target.exclusive().await;
+        let state = self.target.observe_all(&guard).await?;
         let mut out = Vec::new();
         for (name, sub) in &state.subsystems {
             let Some(volume) = SubsystemNqn::parse(name)

@@ -2,9 +2,17 @@
 //! configfs test double, plus the records of adopted namespace identities.
 //!
 //! Invariants:
-//! - Every configfs change runs as observe -> plan -> apply -> observe -> verify while holding
-//!   the target lock, so plans are never computed from a state another request is changing
-//!   (ports and hosts are shared between volumes).
+//! - Every configfs change runs as read -> plan -> apply -> read back -> verify while holding
+//!   the target lock: shared by changes confined to their own subsystem (its attributes,
+//!   namespaces, host links and port links), so different volumes change concurrently (each
+//!   volume's own lock orders changes of one volume); exclusive for a change that creates or
+//!   removes a shared entry (a port or a host entry, see [`touches_shared`]) and for loading the
+//!   model, so no plan is computed from shared entries another request is changing.
+//! - An operation reads from the kernel only what it touches (`observe_scope`: its subsystem,
+//!   the ports, the host entries' names) and plans with the in-memory [`TargetModel`] for the
+//!   rest; the model is loaded from a full read under the exclusive lock, kept current by each
+//!   operation's scoped read-back, and dropped (reloaded by the next operation) after any failed
+//!   apply or read.
 //! - The double is only ever used when selected explicitly, and is reported as such.
 //! - An identity record exists exactly while an adopted (kernel-random) identity is in use: it
 //!   is written durably before the plan that relies on it runs, and removed after unexport.
@@ -13,10 +21,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pillar_nvmet::{
-    ConfigfsDouble, Executor, NamespaceIdentity, Nguid, Op, Serial, TargetState, VolumeId, observe,
+    ConfigfsDouble, Executor, NamespaceIdentity, Nguid, Op, Serial, TargetModel, TargetState,
+    VolumeId, observe, observe_scope,
 };
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Mutex, MutexGuard};
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::engine::{DurableDir, Engine, EngineError};
 use crate::hooks::{HookPoint, Hooks};
@@ -62,6 +71,15 @@ pub enum TargetError {
     WriteIdentityRecord { volume: String, source: EngineError },
 }
 
+/// The model and whether it may be trusted for new plans: not before the first full read, and
+/// not after a failed apply or read (an operation already planning may finish with it: what it
+/// plans under the shared lock reads no other subsystem's entries).
+#[derive(Default)]
+struct ModelSlot {
+    model: TargetModel,
+    current: bool,
+}
+
 enum Backing {
     Kernel(Arc<DurableDir>),
     Double(ConfigfsDouble),
@@ -71,7 +89,8 @@ enum Backing {
 pub struct Target {
     backing: Backing,
     root: PathBuf,
-    lock: Mutex<()>,
+    lock: RwLock<()>,
+    model: std::sync::Mutex<ModelSlot>,
     engine: Arc<Engine>,
     identities: Arc<DurableDir>,
     hooks: Hooks,
@@ -86,9 +105,36 @@ impl std::fmt::Debug for Target {
     }
 }
 
-/// The target lock: held across observe, plan, apply and verify.
+/// The target lock: held across read, plan, apply and verify.
 #[derive(Debug)]
-pub struct TargetGuard<'a>(#[allow(dead_code)] MutexGuard<'a, ()>);
+pub enum TargetGuard<'a> {
+    /// Changes confined to one subsystem.
+    Shared(#[allow(dead_code)] RwLockReadGuard<'a, ()>),
+    /// Changes of shared entries, and loading the model.
+    Exclusive(#[allow(dead_code)] RwLockWriteGuard<'a, ()>),
+}
+
+impl TargetGuard<'_> {
+    /// Whether this is the exclusive lock.
+    pub fn is_exclusive(&self) -> bool {
+        matches!(self, Self::Exclusive(_))
+    }
+}
+
+/// Whether `op` creates, removes or configures an entry that several subsystems share: a port
+/// (its directory or `addr_*` attributes) or a host entry under `hosts/`. Links a subsystem
+/// makes to existing ports and hosts are its own.
+pub fn touches_shared(op: &Op) -> bool {
+    let mut parts = op.path().components();
+    let top = parts.next().map(|c| c.as_os_str());
+    let shared_dir = top == Some(pillar_nvmet::model::PORTS.as_ref())
+        || top == Some(pillar_nvmet::model::HOSTS.as_ref());
+    match op {
+        Op::Mkdir { .. } | Op::Rmdir { .. } => shared_dir && parts.clone().count() == 1,
+        Op::Write { .. } => top == Some(pillar_nvmet::model::PORTS.as_ref()),
+        Op::Symlink { .. } | Op::Unlink { .. } => false,
+    }
+}
 
 impl Target {
     /// Opens the target, and the identity records under `<state_dir>/nvmet-identity/`.
@@ -122,7 +168,8 @@ impl Target {
         Ok(Self {
             backing,
             root,
-            lock: Mutex::new(()),
+            lock: RwLock::new(()),
+            model: std::sync::Mutex::new(ModelSlot::default()),
             engine,
             identities,
             hooks,
@@ -142,24 +189,127 @@ impl Target {
         &self.root
     }
 
-    /// Takes the target lock.
-    pub async fn lock(&self) -> TargetGuard<'_> {
-        TargetGuard(self.lock.lock().await)
+    /// Takes the target lock for a change confined to one subsystem.
+    pub async fn shared(&self) -> TargetGuard<'_> {
+        TargetGuard::Shared(self.lock.read().await)
     }
 
-    /// Reads the whole tree.
-    pub async fn observe(&self, _guard: &TargetGuard<'_>) -> Result<TargetState, TargetError> {
+    /// Takes the target lock alone.
+    pub async fn exclusive(&self) -> TargetGuard<'_> {
+        TargetGuard::Exclusive(self.lock.write().await)
+    }
+
+    fn model(&self) -> std::sync::MutexGuard<'_, ModelSlot> {
+        // Every update of the model is one assignment or one `refresh`; a panic inside one
+        // leaves at worst a stale entry, which the next scoped read of that subsystem replaces.
+        self.model
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the model is current (otherwise the next plan needs the exclusive lock).
+    pub fn model_current(&self) -> bool {
+        self.model().current
+    }
+
+    /// Marks the model stale; the next operation reloads it with a full read.
+    pub fn invalidate(&self) {
+        self.model().current = false;
+    }
+
+    /// Reads the whole tree; under the exclusive lock also reloads the model from it (a full
+    /// read while other subsystems change could catch one half-changed).
+    pub async fn observe_all(&self, guard: &TargetGuard<'_>) -> Result<TargetState, TargetError> {
         let root = self.root.clone();
-        Ok(crate::blocking::spawn(move || observe(&root))
+        let full = crate::blocking::spawn(move || observe(&root))
             .await
-            .map_err(TargetError::Join)??)
+            .map_err(TargetError::Join)?
+            .inspect_err(|_| self.invalidate())?;
+        if guard.is_exclusive() {
+            *self.model() = ModelSlot {
+                model: TargetModel::new(full.clone()),
+                current: true,
+            };
+        }
+        Ok(full)
     }
 
-    /// Applies a plan, in order, stopping at the first failure.
-    pub async fn apply(&self, _guard: &TargetGuard<'_>, ops: Vec<Op>) -> Result<(), TargetError> {
+    /// The subsystem names the model holds, when it is current.
+    pub fn modelled_subsystems(&self) -> Option<Vec<String>> {
+        let slot = self.model();
+        slot.current
+            .then(|| slot.model.state().subsystems.keys().cloned().collect())
+    }
+
+    /// Reads what an operation on `nqn` touches from the kernel, folds it into the model and
+    /// returns the state to plan with ([`TargetModel::view`]). `None` when the model is not
+    /// current and `guard` is shared: take the exclusive lock and ask again.
+    pub async fn plan_view(
+        &self,
+        guard: &TargetGuard<'_>,
+        nqn: &str,
+    ) -> Result<Option<TargetState>, TargetError> {
+        if !self.model_current() {
+            if !guard.is_exclusive() {
+                return Ok(None);
+            }
+            self.observe_all(guard).await?;
+        }
+        let scoped = self.read_scope(nqn).await?;
+        let mut slot = self.model();
+        slot.model.refresh(nqn, &scoped);
+        Ok(Some(slot.model.view(nqn)))
+    }
+
+    /// Reads back what an operation on `nqn` touches, after a change, and folds it into the
+    /// model. Verify against what this returns: it is the kernel's, not the model's.
+    pub async fn read_back(
+        &self,
+        _guard: &TargetGuard<'_>,
+        nqn: &str,
+    ) -> Result<TargetState, TargetError> {
+        let scoped = self.read_scope(nqn).await?;
+        self.model().model.refresh(nqn, &scoped);
+        Ok(scoped)
+    }
+
+    /// [`read_back`](Self::read_back), then the state to plan the rest of an operation with.
+    pub async fn read_back_view(
+        &self,
+        guard: &TargetGuard<'_>,
+        nqn: &str,
+    ) -> Result<TargetState, TargetError> {
+        self.read_back(guard, nqn).await?;
+        Ok(self.model().model.view(nqn))
+    }
+
+    async fn read_scope(&self, nqn: &str) -> Result<TargetState, TargetError> {
+        let root = self.root.clone();
+        let nqn = nqn.to_owned();
+        Ok(crate::blocking::spawn(move || observe_scope(&root, &nqn))
+            .await
+            .map_err(TargetError::Join)?
+            .inspect_err(|_| self.invalidate())?)
+    }
+
+    /// Applies a plan, in order, stopping at the first failure. A plan that touches a shared
+    /// entry needs the exclusive lock. A failure drops the model.
+    pub async fn apply(&self, guard: &TargetGuard<'_>, ops: Vec<Op>) -> Result<(), TargetError> {
         if ops.is_empty() {
             return Ok(());
         }
+        debug_assert!(
+            guard.is_exclusive() || !ops.iter().any(touches_shared),
+            "a plan that changes shared entries under the shared lock"
+        );
+        let result = self.apply_unchecked(ops).await;
+        if result.is_err() {
+            self.invalidate();
+        }
+        result
+    }
+
+    async fn apply_unchecked(&self, ops: Vec<Op>) -> Result<(), TargetError> {
         match &self.backing {
             Backing::Kernel(root) => self
                 .engine

@@ -165,6 +165,59 @@ async fn a_cancelled_grant_holds_the_volume_until_it_is_done() {
     }
 }
 
+// proves F5 with the target lock scoped (issue 11): a configfs change stalled on one volume (a
+// frozen configfs write) holds up neither the fenced change of another volume nor its mark; only
+// a change of an entry volumes share (creating a host entry) waits for it. With the node-wide
+// target lock of before, the revoke of vol-b waited for vol-a's stalled grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_change_of_one_volume_does_not_hold_up_another() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        let c = &mut a.client;
+        for (volume, hosts) in [("vol-a", &[][..]), ("vol-b", &[1][..]), ("vol-c", &[1][..])] {
+            c.create_volume(create_req("u1", 1, volume, 16 * MIB))
+                .await
+                .unwrap();
+            c.export(export_req("u1", 2, volume, true, hosts))
+                .await
+                .unwrap();
+        }
+        let gate = a.hooks.stall(HookPoint::ConfigfsApply);
+        let mut c = a.client.clone();
+        let stalled =
+            tokio::spawn(async move { c.grant_initiator(grant("u1", 3, "vol-a", 1)).await });
+        wait_reached(&gate).await;
+        // Only the grant already waiting stays stalled.
+        a.hooks.clear(HookPoint::ConfigfsApply);
+        tokio::time::timeout(
+            Duration::from_secs(20),
+            a.client.revoke_initiator(revoke("u1", 3, "vol-b", 1)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{engine:?}: vol-b's revoke waited for vol-a's stalled grant"))
+        .unwrap();
+        assert_eq!(mark_generation(&a, "vol-b"), 3);
+        assert!(!stalled.is_finished(), "{engine:?}: the stall did not hold");
+        let mut c = a.client.clone();
+        let new_host =
+            tokio::spawn(async move { c.grant_initiator(grant("u1", 4, "vol-b", 2)).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !new_host.is_finished(),
+            "{engine:?}: a new host entry was created while another change was in flight"
+        );
+        gate.release();
+        stalled.await.unwrap().unwrap();
+        new_host.await.unwrap().unwrap();
+        let state = observe(&a.dirs.configfs()).unwrap();
+        let hosts = |v: &str| state.subsystems[&nqn(v)].allowed_hosts.clone();
+        assert_eq!(hosts("vol-a").into_iter().collect::<Vec<_>>(), [host(1)]);
+        assert_eq!(hosts("vol-b").into_iter().collect::<Vec<_>>(), [host(2)]);
+        assert_eq!(hosts("vol-c").into_iter().collect::<Vec<_>>(), [host(1)]);
+    }
+}
+
 // proves F5: check and commit happen under one lock. Many requests with shuffled generations
 // race on one volume, each paused between its fence check and its commit; a request is
 // accepted only if no higher generation was accepted before it, so the mark ends at the
