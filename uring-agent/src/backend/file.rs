@@ -12,11 +12,19 @@
 //!
 //! Every operation runs on tokio's blocking pool (ioctls and `fsync` block), and the loop
 //! bookkeeping (find or bind, unbind) runs under one mutex per backend.
+//!
+//! Finding a volume's loop device costs the same however many loop devices the node has: the
+//! backend remembers the device it found or bound for each backing file, and trusts it only
+//! after `LOOP_GET_STATUS64` shows the file's device and inode; sysfs is scanned (every
+//! `/sys/block/loopN`) only when that fails, once at start, and by `delete`, which must find
+//! every device bound to the path, an unlinked earlier file's included.
 
+use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -43,8 +51,11 @@ struct Inner {
     /// Canonical (symlink-free, absolute) pool directory: sysfs shows canonical paths.
     dir: PathBuf,
     direct_io: bool,
-    /// Serialises finding, binding and unbinding loop devices.
-    loop_lock: Mutex<()>,
+    /// Serialises finding, binding and unbinding loop devices, and guards the loop device
+    /// last found or bound for each backing file (a hint, confirmed before use).
+    loop_lock: Mutex<HashMap<PathBuf, u32>>,
+    /// How many times every loop device was scanned through sysfs.
+    scans: AtomicU64,
 }
 
 impl FileBackend {
@@ -75,7 +86,8 @@ impl FileBackend {
                 pool: pool.to_owned(),
                 dir: canonical,
                 direct_io: true,
-                loop_lock: Mutex::new(()),
+                loop_lock: Mutex::new(HashMap::new()),
+                scans: AtomicU64::new(0),
             }),
         })
     }
@@ -89,7 +101,8 @@ impl FileBackend {
                 pool: self.inner.pool.clone(),
                 dir: self.inner.dir.clone(),
                 direct_io,
-                loop_lock: Mutex::new(()),
+                loop_lock: Mutex::new(HashMap::new()),
+                scans: AtomicU64::new(0),
             }),
         }
     }
@@ -97,6 +110,12 @@ impl FileBackend {
     /// The canonical pool directory.
     pub fn dir(&self) -> &Path {
         &self.inner.dir
+    }
+
+    /// How many times this backend read every `/sys/block/loopN` to find a volume's device
+    /// (a cost that grows with the node's loop devices; see the module docs for when).
+    pub fn loop_scans(&self) -> u64 {
+        self.inner.scans.load(Ordering::Relaxed)
     }
 
     /// The backing file of `volume`.
@@ -182,8 +201,9 @@ impl Inner {
         self.dir.join(format!("{}.{EXTENSION}", volume.as_str()))
     }
 
-    fn lock(&self) -> MutexGuard<'_, ()> {
-        // The mutex guards no data, so a panic while holding it leaves nothing inconsistent.
+    fn lock(&self) -> MutexGuard<'_, HashMap<PathBuf, u32>> {
+        // The map holds hints that are confirmed before use, so a panic while holding the lock
+        // leaves nothing that could mislead.
         self.loop_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -192,8 +212,10 @@ impl Inner {
     fn create(&self, volume: VolumeId, requested: u64) -> Result<VolumeInfo, BackendError> {
         let size = checked_size(requested, FileBackend::GRANULARITY)?;
         let path = self.backing_file(&volume);
+        let mut fresh = false;
         let file = match open_file(&path, true) {
             Ok(file) => {
+                fresh = true;
                 self.set_length(&file, &path, size)
                     .inspect_err(|_| remove_quietly(&path))?;
                 sync_file(&file, &path)?;
@@ -220,9 +242,15 @@ impl Inner {
             }
             Err(e) => return Err(io_err("create the backing file", &path)(e)),
         };
-        let _guard = self.lock();
-        let bindings = bindings(&path)?;
+        let mut known = self.lock();
+        let bindings = if fresh {
+            // A file made just now: no loop device can be bound to its inode yet.
+            Vec::new()
+        } else {
+            bindings_of(&mut known, self, &file, &path)?
+        };
         let index = self.ensure_attached(&file, &path, size, &bindings)?;
+        known.insert(path, index);
         Ok(VolumeInfo {
             volume,
             size_bytes: size,
@@ -255,9 +283,10 @@ impl Inner {
         }
         // Binding (or finding) the loop device also brings its size in line with the file,
         // which finishes an expand interrupted between the two steps.
-        let _guard = self.lock();
-        let bindings = bindings(&path)?;
+        let mut known = self.lock();
+        let bindings = bindings_of(&mut known, self, &file, &path)?;
         let index = self.ensure_attached(&file, &path, size, &bindings)?;
+        known.insert(path, index);
         Ok(VolumeInfo {
             volume,
             size_bytes: size,
@@ -268,10 +297,11 @@ impl Inner {
     fn delete(&self, volume: &VolumeId) -> Result<(), BackendError> {
         let path = self.backing_file(volume);
         {
-            let _guard = self.lock();
+            let mut known = self.lock();
+            known.remove(&path);
             // Every loop device on this path, including ones bound to an earlier, already
             // unlinked file of the same name.
-            for binding in bindings(&path)? {
+            for binding in self.bindings(&path)? {
                 let device = loopdev::device_path(binding.index);
                 match loopdev::detach(binding.index, DETACH_WAIT).map_err(|source| {
                     BackendError::Loop {
@@ -310,9 +340,10 @@ impl Inner {
             Err(e) => return Err(io_err("open the backing file", &path)(e)),
         };
         let size = file_len(&file, &path)?;
-        let _guard = self.lock();
-        let bindings = bindings(&path)?;
+        let mut known = self.lock();
+        let bindings = bindings_of(&mut known, self, &file, &path)?;
         let index = self.ensure_attached(&file, &path, size, &bindings)?;
+        known.insert(path, index);
         Ok(Some(VolumeInfo {
             volume,
             size_bytes: size,
@@ -343,7 +374,8 @@ impl Inner {
             }
         }
         candidates.sort();
-        let _guard = self.lock();
+        let mut known = self.lock();
+        self.scans.fetch_add(1, Ordering::Relaxed);
         let all = loopdev::bindings().map_err(|source| BackendError::Loop {
             path: self.dir.clone(),
             source,
@@ -363,6 +395,7 @@ impl Inner {
                 .cloned()
                 .collect();
             let index = self.ensure_attached(&file, &path, size, &mine)?;
+            known.insert(path, index);
             volumes.push(VolumeInfo {
                 volume,
                 size_bytes: size,
@@ -459,13 +492,57 @@ impl Inner {
     }
 }
 
-/// Bound loop devices whose sysfs backing file is `path` (deleted or not).
-fn bindings(path: &Path) -> Result<Vec<Binding>, BackendError> {
-    let all = loopdev::bindings().map_err(|source| BackendError::Loop {
-        path: path.to_owned(),
-        source,
-    })?;
+/// The loop devices to consider for `file` at `path`: the one remembered in `known` when it is
+/// still bound to this very file (device and inode), else every binding sysfs shows for `path`
+/// (one scan of all loop devices, which also refreshes what `known` remembers for the pool).
+/// Call with the loop lock held (`known` is its data).
+fn bindings_of(
+    known: &mut HashMap<PathBuf, u32>,
+    inner: &Inner,
+    file: &File,
+    path: &Path,
+) -> Result<Vec<Binding>, BackendError> {
+    if let Some(&index) = known.get(path) {
+        let meta = file
+            .metadata()
+            .map_err(io_err("stat the backing file", path))?;
+        if matches!(loopdev::backing_identity(index), Ok(id) if id == (meta.dev(), meta.ino())) {
+            return Ok(vec![Binding {
+                index,
+                backing_file: path.to_owned(),
+                deleted: false,
+            }]);
+        }
+        known.remove(path);
+    }
+    let all = inner.all_bindings(path)?;
+    for b in all
+        .iter()
+        .filter(|b| !b.deleted && b.backing_file.parent() == Some(inner.dir.as_path()))
+    {
+        known.entry(b.backing_file.clone()).or_insert(b.index);
+    }
     Ok(all.into_iter().filter(|b| b.backing_file == path).collect())
+}
+
+impl Inner {
+    /// Every bound loop device, from sysfs.
+    fn all_bindings(&self, path: &Path) -> Result<Vec<Binding>, BackendError> {
+        self.scans.fetch_add(1, Ordering::Relaxed);
+        loopdev::bindings().map_err(|source| BackendError::Loop {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Bound loop devices whose sysfs backing file is `path` (deleted or not).
+    fn bindings(&self, path: &Path) -> Result<Vec<Binding>, BackendError> {
+        Ok(self
+            .all_bindings(path)?
+            .into_iter()
+            .filter(|b| b.backing_file == path)
+            .collect())
+    }
 }
 
 /// Opens a backing file read-write; `create` makes a new one (failing if it exists). Never
