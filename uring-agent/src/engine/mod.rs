@@ -159,11 +159,23 @@ pub struct EngineStats {
     pub dir_fsyncs: AtomicU64,
     /// configfs plans applied.
     pub configfs_plans: AtomicU64,
+    /// Every `io_uring_enter` call, whether it submitted, waited or both (io_uring only).
+    pub enters: AtomicU64,
+    /// Wake-ups of the ring thread: eventfd writes by requesting threads (io_uring only).
+    pub wakes: AtomicU64,
 }
 
 impl EngineStats {
     fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The syscalls the io_uring engine made, as (`io_uring_enter` calls, eventfd writes).
+    pub fn syscalls(&self) -> (u64, u64) {
+        (
+            self.enters.load(Ordering::Relaxed),
+            self.wakes.load(Ordering::Relaxed),
+        )
     }
 
     /// A point-in-time copy.

@@ -2,7 +2,9 @@
 //!
 //! Requests arrive on a channel; an eventfd read kept armed in the ring wakes the thread, so it
 //! waits in exactly one place (`io_uring_enter`) for both new work and completions. Everything
-//! queued since the last wake-up goes into the next submission.
+//! queued since the last wake-up goes into the next submission. A request writes the eventfd
+//! only when the thread is about to block or blocked ([`Sleep`]); an awake thread finds it on
+//! the channel before it blocks, so a busy engine makes no wake-up syscalls.
 //!
 //! - A durable replace is two linked chains on a direct descriptor: `openat (its own temp file)
 //!   -> write -> fsync -> close`, then, once all of that succeeded, `renameat -> fsync(dir)`. A
@@ -38,6 +40,7 @@ mod probe;
 mod queue;
 mod ring;
 
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -103,11 +106,41 @@ impl std::fmt::Debug for UringConfig {
     }
 }
 
+/// Whether the ring thread may block in `io_uring_enter` without looking at the channel again.
+///
+/// The handshake (a store, a full fence, then a load, on both sides) makes a lost wake-up
+/// impossible: the ring thread sets the flag, fences, and looks at the channel once more before
+/// it blocks; a request is sent on the channel, fenced, and the flag read (and cleared). Of two
+/// such sequences at least one sees the other's store: either the thread finds the request,
+/// or the request finds the flag set and writes the eventfd.
+#[derive(Debug, Default)]
+pub(super) struct Sleep(AtomicBool);
+
+impl Sleep {
+    /// The ring thread, before its last look at the channel.
+    pub(super) fn about_to_block(&self) {
+        self.0.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    /// The ring thread, awake again.
+    pub(super) fn awake(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+
+    /// A requesting thread, after sending: whether it must wake the ring thread.
+    fn must_wake(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.0.swap(false, Ordering::SeqCst)
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct UringEngine {
     tx: Mutex<Option<Sender<Job>>>,
     wake: Arc<EventFd>,
+    sleep: Arc<Sleep>,
     stats: Arc<EngineStats>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -133,9 +166,11 @@ impl UringEngine {
             fault: config.fault,
         };
         let (tx, rx) = mpsc::channel();
+        let sleep = Arc::new(Sleep::default());
         let thread = RingThread::new(
             queue,
             rx,
+            Arc::clone(&sleep),
             SlotPool::new(FILE_SLOTS),
             options,
             Arc::clone(&stats),
@@ -147,6 +182,7 @@ impl UringEngine {
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             wake,
+            sleep,
             stats,
             thread: Mutex::new(Some(handle)),
         })
@@ -164,7 +200,10 @@ impl UringEngine {
             let tx = guard.as_ref().ok_or(EngineError::Stopped)?;
             tx.send(job(reply)).map_err(|_| EngineError::Stopped)?;
         }
-        self.wake.signal();
+        if self.sleep.must_wake() {
+            EngineStats::add(&self.stats.wakes, 1);
+            self.wake.signal();
+        }
         rx.await.map_err(|_| EngineError::Stopped)?
     }
 

@@ -198,6 +198,7 @@ impl Queue {
     /// Submits what is queued, without waiting; how many entries the kernel took.
     fn submit_queued(&mut self) -> Result<usize, PushError> {
         loop {
+            EngineStats::add(&self.stats.enters, 1);
             match self.ring.submit() {
                 Ok(n) => {
                     self.observe_batch(n);
@@ -253,6 +254,7 @@ impl Queue {
     /// (`EBUSY`) returns at once, to reap first.
     pub(super) fn submit_and_wait(&mut self, want: usize) -> io::Result<()> {
         loop {
+            EngineStats::add(&self.stats.enters, 1);
             match self.ring.submit_and_wait(want) {
                 Ok(n) => {
                     self.observe_batch(n);

@@ -15,6 +15,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 
 use io_uring::squeue::Entry;
 
+use super::Sleep;
 use super::chain::{self, ChainOptions};
 use super::flight::{
     Cleanup, ConfigfsFlight, DurableFlight, FlightId, Ids, Slot, SlotPool, Stage, Tag, TempFile,
@@ -62,6 +63,7 @@ fn push_owned<T>(
 pub(super) struct RingThread {
     queue: Queue,
     rx: Receiver<Job>,
+    sleep: Arc<Sleep>,
     disconnected: bool,
     ids: Ids,
     slots: SlotPool,
@@ -87,6 +89,7 @@ impl RingThread {
     pub(super) fn new(
         queue: Queue,
         rx: Receiver<Job>,
+        sleep: Arc<Sleep>,
         slots: SlotPool,
         options: ChainOptions,
         stats: Arc<EngineStats>,
@@ -94,6 +97,7 @@ impl RingThread {
         Self {
             queue,
             rx,
+            sleep,
             disconnected: false,
             ids: Ids::new(),
             slots,
@@ -115,7 +119,7 @@ impl RingThread {
     pub(super) fn run(mut self) {
         loop {
             self.busy = false;
-            self.take_new_jobs();
+            let _ = self.take_new_jobs();
             self.push_due();
             self.start_waiting_jobs();
             if self.disconnected && self.idle() {
@@ -130,7 +134,17 @@ impl RingThread {
             // Block for a completion, unless something waits to be retried and no completion
             // is coming to wake us.
             let want = usize::from(self.in_flight() || !self.retry_pending());
-            if let Err(e) = self.queue.submit_and_wait(want) {
+            if want > 0 && !self.disconnected {
+                // Requests sent from now on write the eventfd; one sent before is found here.
+                self.sleep.about_to_block();
+                if self.take_new_jobs() {
+                    self.sleep.awake();
+                    continue;
+                }
+            }
+            let result = self.queue.submit_and_wait(want);
+            self.sleep.awake();
+            if let Err(e) = result {
                 tracing::error!(error = %e, "io_uring_enter failed; failing every request in flight");
                 self.fail_everything(&e);
                 return;
@@ -164,14 +178,20 @@ impl RingThread {
             || !self.due_installs.is_empty()
     }
 
-    fn take_new_jobs(&mut self) {
+    /// Moves every request sent so far to `waiting`; whether there was any (or the channel
+    /// closed, which also needs a round).
+    fn take_new_jobs(&mut self) -> bool {
+        let mut any = false;
         loop {
             match self.rx.try_recv() {
-                Ok(job) => self.waiting.push_back(job),
-                Err(TryRecvError::Empty) => return,
+                Ok(job) => {
+                    self.waiting.push_back(job);
+                    any = true;
+                }
+                Err(TryRecvError::Empty) => return any,
                 Err(TryRecvError::Disconnected) => {
                     self.disconnected = true;
-                    return;
+                    return true;
                 }
             }
         }
