@@ -1,6 +1,24 @@
-//! Benchmark helpers: latency recording and percentiles.
+//! Benchmark helpers: latency recording and percentiles, CPU time, an in-process agent.
 
 use std::time::Duration;
+
+pub mod agent;
+
+/// CPU time (user + system) this process used so far, in seconds.
+pub fn cpu_seconds() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one `struct rusage` through the pointer, which points to memory
+    // sized and aligned for it; it reads nothing from it.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    // SAFETY: getrusage succeeded, so it initialised the whole struct (and zeroed is valid).
+    let usage = unsafe { usage.assume_init() };
+    #[allow(clippy::cast_precision_loss)]
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
 
 /// Latencies of one run.
 #[derive(Debug, Default, Clone)]

@@ -50,6 +50,12 @@ const RESERVATIONS: &str = "reservations";
 /// Under [`PRIVATE_DIR`]: live host controllers, as `controllers/<port>/<subsystem>/<host>`.
 const CONTROLLERS: &str = "controllers";
 
+/// Under [`PRIVATE_DIR`]: which subsystems each port links, as `port-links/<port>/<subsystem>`,
+/// so the double finds a duplicate link (EEXIST, whatever its name) without reading every link
+/// of the port: the kernel walks its in-memory list, a directory walk would make the double's
+/// cost grow with the port's links.
+const PORT_LINKS: &str = "port-links";
+
 /// The nvmet configfs test double rooted at a directory.
 #[derive(Debug, Clone)]
 pub struct ConfigfsDouble {
@@ -339,23 +345,47 @@ impl ConfigfsDouble {
     }
 
     fn port_linked(&self, port: &str) -> io::Result<bool> {
-        Ok(!Self::dir_entries(&self.root.join(PORTS).join(port).join("subsystems"))?.is_empty())
+        Self::non_empty(&self.root.join(PORTS).join(port).join("subsystems"))
+    }
+
+    /// Whether `dir` has an entry, reading only the first.
+    fn non_empty(dir: &Path) -> io::Result<bool> {
+        Ok(fs::read_dir(dir)?.next().transpose()?.is_some())
+    }
+
+    fn port_link_marker(&self, port: &str, nqn: &str) -> PathBuf {
+        self.root
+            .join(PRIVATE_DIR)
+            .join(PORT_LINKS)
+            .join(port)
+            .join(nqn)
     }
 
     /// Names of items that symlinks anywhere in the tree point to, as tree-relative paths.
+    /// Links that vanish while this reads (another writer unlinking or removing its own
+    /// subsystem, as the agent's concurrent changes of other volumes do) are skipped.
     fn link_targets(&self) -> io::Result<Vec<PathBuf>> {
+        let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
         let mut targets = Vec::new();
-        for sub in Self::dir_entries(&self.root.join(SUBSYSTEMS))? {
-            let dir = self.root.join(SUBSYSTEMS).join(&sub).join("allowed_hosts");
-            for link in Self::dir_entries(&dir)? {
-                targets.push(self.resolve_link(&dir.join(link))?);
+        let mut read = |dir: PathBuf| -> io::Result<()> {
+            let links = match Self::dir_entries(&dir) {
+                Err(e) if gone(&e) => return Ok(()),
+                other => other?,
+            };
+            for link in links {
+                match self.resolve_link(&dir.join(link)) {
+                    Ok(t) => targets.push(t),
+                    Err(e) if gone(&e) => {}
+                    Err(e) => return Err(e),
+                }
             }
+            Ok(())
+        };
+        for sub in Self::dir_entries(&self.root.join(SUBSYSTEMS))? {
+            read(self.root.join(SUBSYSTEMS).join(&sub).join("allowed_hosts"))?;
         }
         for port in Self::dir_entries(&self.root.join(PORTS))? {
-            let dir = self.root.join(PORTS).join(&port).join("subsystems");
-            for link in Self::dir_entries(&dir)? {
-                targets.push(self.resolve_link(&dir.join(link))?);
-            }
+            read(self.root.join(PORTS).join(&port).join("subsystems"))?;
         }
         Ok(targets)
     }
@@ -654,10 +684,7 @@ impl ConfigfsDouble {
             return Err(errno(libc::EEXIST));
         }
         let link_dir = link.parent().ok_or_else(|| errno(libc::EPERM))?;
-        let existing: Vec<PathBuf> = Self::dir_entries(link_dir)?
-            .into_iter()
-            .map(|l| self.resolve_link(&link_dir.join(l)))
-            .collect::<io::Result<_>>()?;
+        let mut marker = None;
         match (place, classify(target_rel)) {
             (Place::AllowedHostLink(nqn, _), Place::Host(_)) => {
                 if self.attr(
@@ -670,21 +697,36 @@ impl ConfigfsDouble {
                 {
                     return Err(errno(libc::EINVAL));
                 }
-            }
-            (Place::PortSubsystemLink(port, _), Place::Subsystem(_)) => {
-                if existing.is_empty() {
-                    self.enable_port(port)?;
+                // A subsystem has few host links: read them all.
+                for l in Self::dir_entries(link_dir)? {
+                    if self.resolve_link(&link_dir.join(l))? == target_rel {
+                        return Err(errno(libc::EEXIST));
+                    }
                 }
             }
+            (Place::PortSubsystemLink(port, _), Place::Subsystem(target)) => {
+                let m = self.port_link_marker(port, target);
+                if m.exists() {
+                    return Err(errno(libc::EEXIST));
+                }
+                if !Self::non_empty(link_dir)? {
+                    self.enable_port(port)?;
+                }
+                marker = Some(m);
+            }
             _ => return Err(errno(libc::EINVAL)),
-        }
-        if existing.iter().any(|t| t == target_rel) {
-            return Err(errno(libc::EEXIST));
         }
         // Relative, like configfs: from <root>/<a>/<b>/<c>/link, three levels up is the root.
         let depth = link_rel.components().count() - 1;
         let relative = Path::new(&"../".repeat(depth)).join(target_rel);
-        std::os::unix::fs::symlink(relative, &link)
+        std::os::unix::fs::symlink(relative, &link)?;
+        if let Some(m) = marker {
+            if let Some(parent) = m.parent() {
+                fs::create_dir_all(parent)?;
+            }
+            fs::write(m, link_rel.as_os_str().as_encoded_bytes())?;
+        }
+        Ok(())
     }
 
     fn unlink(&self, rel: &Path) -> io::Result<()> {
@@ -696,10 +738,17 @@ impl ConfigfsDouble {
         if !meta.file_type().is_symlink() {
             return Err(errno(libc::EPERM));
         }
+        let target = self.resolve_link(&path)?;
         fs::remove_file(path)?;
         // Unlinking a subsystem from a port deletes every controller of it on that port
         // (nvmet_port_subsys_drop_link); dropping an allowed_hosts link deletes none.
         if let Place::PortSubsystemLink(port, nqn) = classify(rel) {
+            if let Place::Subsystem(linked) = classify(&target) {
+                let m = self.port_link_marker(port, linked);
+                if m.exists() {
+                    fs::remove_file(m)?;
+                }
+            }
             let dir = self.controllers_dir().join(port).join(nqn);
             if dir.is_dir() {
                 fs::remove_dir_all(dir)?;
@@ -716,8 +765,18 @@ impl ConfigfsDouble {
         }
         let linked = || -> io::Result<bool> { Ok(self.link_targets()?.iter().any(|t| t == rel)) };
         match classify(rel) {
-            Place::Subsystem(_) => {
-                if linked()? {
+            Place::Subsystem(nqn) => {
+                // Linked from a port: the port-link markers say so without reading every link.
+                let ports = self.root.join(PRIVATE_DIR).join(PORT_LINKS);
+                let on_a_port = match fs::read_dir(&ports) {
+                    Ok(entries) => entries
+                        .map(|e| e.map(|e| e.path().join(nqn).exists()))
+                        .collect::<io::Result<Vec<_>>>()?
+                        .contains(&true),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+                    Err(e) => return Err(e),
+                };
+                if on_a_port {
                     return Err(errno(libc::EBUSY));
                 }
                 if !Self::dir_entries(&path.join("namespaces"))?.is_empty()
