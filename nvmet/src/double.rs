@@ -348,9 +348,9 @@ impl ConfigfsDouble {
         Self::non_empty(&self.root.join(PORTS).join(port).join("subsystems"))
     }
 
-    /// Whether `dir` has an entry, reading only the first.
+    /// Whether `dir` has an entry, reading only the first few.
     fn non_empty(dir: &Path) -> io::Result<bool> {
-        Ok(fs::read_dir(dir)?.next().transpose()?.is_some())
+        Ok(crate::model::first_entry_except(dir, ".")?.is_some())
     }
 
     fn port_link_marker(&self, port: &str, nqn: &str) -> PathBuf {

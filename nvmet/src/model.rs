@@ -314,22 +314,41 @@ fn observe_port_scope(root: &Path, dir: &Path, nqn: &str) -> Result<PortState, O
         Err(source) => return Err(ObserveError::ReadLink { path: own, source }),
     }
     // One other link is enough to know the port is shared; stop reading there.
-    let list_err = |source| ObserveError::ListDir {
-        path: subs_dir.clone(),
-        source,
-    };
-    for entry in std::fs::read_dir(&subs_dir).map_err(list_err)? {
-        let entry = entry.map_err(list_err)?;
-        let name = entry.file_name();
-        let name = name
-            .to_str()
-            .ok_or_else(|| ObserveError::UnexpectedEntry { path: entry.path() })?;
-        if name != nqn {
-            port.subsystems.insert(name.to_owned());
-            break;
-        }
+    if let Some(other) =
+        first_entry_except(&subs_dir, nqn).map_err(|source| ObserveError::ListDir {
+            path: subs_dir.clone(),
+            source,
+        })?
+    {
+        port.subsystems.insert(other);
     }
     Ok(port)
+}
+
+/// The first entry of `dir` other than `.`, `..` and `except`, reading a few entries at a time:
+/// `std::fs::read_dir` asks for a 32 KiB buffer full, and tmpfs and configfs do work for every
+/// entry they return, so its cost grows with the directory. `None` when there is no other entry.
+pub fn first_entry_except(dir: &Path, except: &str) -> io::Result<Option<String>> {
+    use rustix::fs::{Mode, OFlags, RawDir};
+    let fd = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    // Room for a few entries of the longest names configfs holds (an NQN is at most 223 bytes).
+    let mut buf = [std::mem::MaybeUninit::uninit(); 2048];
+    let mut entries = RawDir::new(&fd, &mut buf);
+    while let Some(entry) = entries.next() {
+        let entry = entry?;
+        let name = entry.file_name().to_bytes();
+        if name == b"." || name == b".." || name == except.as_bytes() {
+            continue;
+        }
+        return std::str::from_utf8(name)
+            .map(|n| Some(n.to_owned()))
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "a name that is not UTF-8"));
+    }
+    Ok(None)
 }
 
 fn observe_subsystem(root: &Path, dir: &Path) -> Result<SubsystemState, ObserveError> {

@@ -449,10 +449,18 @@ impl Agent {
         }
         self.commit(volume, decision).await?;
         let nqn = spec.nqn.clone();
+        // A resync plans from the model its own full read loaded (one read for the node, not
+        // one per export); the read-back below checks every export against the kernel.
+        let source = if intent == Intent::Resync {
+            Source::Model
+        } else {
+            Source::Kernel
+        };
         let (guard, plan) = self
-            .plan_under_lock(
+            .plan_under_lock_from(
                 &nqn,
-                |view| {
+                source,
+                &mut |view| {
                     plan_export(view, &spec).map_err(|source| AgentError::Plan {
                         volume: volume.to_string(),
                         source,
@@ -675,6 +683,17 @@ impl Agent {
         mut plan: impl FnMut(&TargetState) -> Result<P, AgentError>,
         ops: impl Fn(&P) -> &[Op],
     ) -> Result<(TargetGuard<'_>, P), AgentError> {
+        self.plan_under_lock_from(nqn, Source::Kernel, &mut plan, ops)
+            .await
+    }
+
+    async fn plan_under_lock_from<P>(
+        &self,
+        nqn: &SubsystemNqn,
+        source: Source,
+        plan: &mut impl FnMut(&TargetState) -> Result<P, AgentError>,
+        ops: impl Fn(&P) -> &[Op],
+    ) -> Result<(TargetGuard<'_>, P), AgentError> {
         let mut exclusive = !self.target.model_current();
         loop {
             let guard = if exclusive {
@@ -682,7 +701,14 @@ impl Agent {
             } else {
                 self.target.shared().await
             };
-            let Some(view) = self.target.plan_view(&guard, nqn.as_str()).await? else {
+            let view = match source {
+                Source::Kernel => self.target.plan_view(&guard, nqn.as_str()).await?,
+                Source::Model => match self.target.model_view(&guard, nqn.as_str()) {
+                    Some(view) => Some(view),
+                    None => self.target.plan_view(&guard, nqn.as_str()).await?,
+                },
+            };
+            let Some(view) = view else {
                 exclusive = true;
                 continue;
             };
@@ -824,6 +850,15 @@ impl Agent {
     pub async fn capacity(&self, pool: &str) -> Result<Capacity, AgentError> {
         Ok(self.pool(pool)?.capacity().await?)
     }
+}
+
+/// Where a plan's view of the target comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// A scoped read of the kernel, folded into the model.
+    Kernel,
+    /// The model alone, when it is current.
+    Model,
 }
 
 fn apply_record(spec: &mut ExportSpec, record: &IdentityRecord) {

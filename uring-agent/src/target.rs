@@ -261,6 +261,16 @@ impl Target {
         Ok(Some(slot.model.view(nqn)))
     }
 
+    /// The state to plan `nqn` with, from the model alone (no read): for a resync, whose full
+    /// read loaded the model moments before. A plan from it that the kernel's state no longer
+    /// matches fails at its first step or at the read-back, like any stale plan. `None` as for
+    /// [`plan_view`](Self::plan_view).
+    pub fn model_view(&self, guard: &TargetGuard<'_>, nqn: &str) -> Option<TargetState> {
+        let slot = self.model();
+        let _ = guard;
+        slot.current.then(|| slot.model.view(nqn))
+    }
+
     /// Reads back what an operation on `nqn` touches, after a change, and folds it into the
     /// model. Verify against what this returns: it is the kernel's, not the model's.
     pub async fn read_back(
