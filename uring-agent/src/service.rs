@@ -593,23 +593,34 @@ impl Agent {
         let (guard, planned) = self
             .plan_under_lock(
                 &nqn,
-                |view| self.plan_acl_change(view, volume, host, intent, acl_only),
-                |planned| planned.as_ref().map_or(&[][..], |(ops, _)| ops.as_slice()),
+                |view| {
+                    let planned = self.plan_acl_change(view, volume, host, intent, acl_only)?;
+                    // Removing the host from allowed_hosts stops new connections only;
+                    // unlinking the subsystem from its ports deletes its controllers, and only
+                    // allowed hosts reconnect. An ACL plan never changes port links, so the
+                    // ports are those the view shows.
+                    let cut = if intent == Intent::Revoke && !acl_only {
+                        plan_cut_connections(view, &nqn)
+                    } else {
+                        Vec::new()
+                    };
+                    Ok(planned.map(|(ops, access)| (ops, access, cut)))
+                },
+                |planned| {
+                    planned
+                        .as_ref()
+                        .map_or(&[][..], |(ops, _, _)| ops.as_slice())
+                },
             )
             .await?;
-        let Some((ops, access)) = planned else {
+        let Some((ops, access, cut)) = planned else {
             return Ok(());
         };
         // A revoke that leaves nobody admitted ends with the namespace disabled: the kernel
-        // returns from that write only once every command in flight on it has completed.
+        // returns from that write only once every command in flight on it has completed; then
+        // the cut.
         self.target.apply(&guard, ops).await?;
-        if intent == Intent::Revoke && !acl_only {
-            // Removing the host from allowed_hosts stops new connections only; unlinking the
-            // subsystem from its ports deletes its controllers, and only allowed hosts reconnect.
-            let cut =
-                plan_cut_connections(&self.target.read_back(&guard, nqn.as_str()).await?, &nqn);
-            self.target.apply(&guard, cut).await?;
-        }
+        self.target.apply(&guard, cut).await?;
         verify_acl(
             &self.target.read_back(&guard, nqn.as_str()).await?,
             &nqn,

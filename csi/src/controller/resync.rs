@@ -18,6 +18,9 @@ use super::Controller;
 use super::agent::export_request;
 use super::error::{ControllerError, agent_err, describe};
 
+/// How many volumes' resync tokens are taken at once.
+const RESYNC_TOKENS_IN_FLIGHT: usize = 32;
+
 impl Controller {
     /// Sends `agent` the complete export state of its node (C3). Each volume gets a fresh token.
     pub async fn resync_agent(
@@ -25,17 +28,30 @@ impl Controller {
         agent: &PillarAgent,
     ) -> Result<agent_api::ResyncExportsResponse, ControllerError> {
         let _one_at_a_time = self.resync_lock.lock().await;
+        use futures::StreamExt as _;
         let name = agent.metadata.name.clone().unwrap_or_default();
-        let mut exports = Vec::new();
-        for v in self
+        let volumes: Vec<PillarVolumeState> = self
             .store
             .list_volumes()
             .await?
             .into_iter()
             .filter(|v| v.spec.agent == name && !v.status_or_default().deleting)
-        {
+            .collect();
+        // A token is one compare-and-swap per volume: the Kubernetes API has no transaction
+        // over several objects. They are taken RESYNC_TOKENS_IN_FLIGHT at a time, so a node of
+        // thousands of volumes waits for the API server's throughput, not its round trips.
+        let requests: Vec<_> = futures::stream::iter(volumes)
+            .map(|v| async move {
+                let request = self.resync_request(&v).await;
+                (v, request)
+            })
+            .buffered(RESYNC_TOKENS_IN_FLIGHT)
+            .collect()
+            .await;
+        let mut exports = Vec::with_capacity(requests.len());
+        for (v, request) in requests {
             // One bad record is that volume's failure alone: reported, and the rest goes on.
-            match self.resync_request(&v).await {
+            match request {
                 Ok(Some(request)) => exports.push(request),
                 Ok(None) => {}
                 Err(e) => {
