@@ -90,6 +90,8 @@ struct Row {
     wall: Duration,
     cpu: f64,
     syscalls: Option<f64>,
+    /// Directory fsyncs per update, where the design shares them (group commit).
+    dir_fsyncs: Option<f64>,
 }
 
 impl Row {
@@ -103,7 +105,7 @@ impl Row {
             "section": section, "design": self.design, "in_flight": self.in_flight,
             "ops": self.lat.len(), "p50_us": self.lat.quantile_us(0.5), "p99_us": self.lat.quantile_us(0.99),
             "p999_us": self.lat.quantile_us(0.999), "ops_per_s": per_s, "cpu_us_per_op": cpu_us,
-            "syscalls_per_op": self.syscalls,
+            "syscalls_per_op": self.syscalls, "dir_fsyncs_per_op": self.dir_fsyncs,
         })
     }
 }
@@ -111,14 +113,22 @@ impl Row {
 fn print_rows(title: &str, rows: &mut [Row], out: &mut Vec<serde_json::Value>, section: &str) {
     println!("\n{title}");
     println!(
-        "{:<22} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>10}",
-        "design", "in flight", "p50 us", "p99 us", "p99.9 us", "ops/s", "cpu us/op", "syscalls/op"
+        "{:<22} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>11} {:>10}",
+        "design",
+        "in flight",
+        "p50 us",
+        "p99 us",
+        "p99.9 us",
+        "ops/s",
+        "cpu us/op",
+        "syscalls/op",
+        "dirfsync/op"
     );
     for row in rows {
         let j = row.json(section);
         let f = |k: &str| j[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:<22} {:>9} {:>9.0} {:>9.0} {:>10.0} {:>10.0} {:>9.1} {:>10}",
+            "{:<22} {:>9} {:>9.0} {:>9.0} {:>10.0} {:>10.0} {:>9.1} {:>11} {:>10}",
             row.design,
             row.in_flight,
             f("p50_us"),
@@ -127,6 +137,9 @@ fn print_rows(title: &str, rows: &mut [Row], out: &mut Vec<serde_json::Value>, s
             f("ops_per_s"),
             f("cpu_us_per_op"),
             j["syscalls_per_op"]
+                .as_f64()
+                .map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")),
+            j["dir_fsyncs_per_op"]
                 .as_f64()
                 .map_or_else(|| "-".to_owned(), |s| format!("{s:.2}")),
         );
@@ -153,6 +166,7 @@ fn floor(dir: &Path, updates: usize) -> anyhow::Result<Row> {
         wall: t0.elapsed(),
         cpu: cpu_seconds() - cpu0,
         syscalls: Some(SYNC_SYSCALLS),
+        dir_fsyncs: Some(1.0),
     })
 }
 
@@ -179,6 +193,7 @@ fn one_thread(dir: &Path, callers: usize, updates: usize) -> anyhow::Result<Row>
         wall: t0.elapsed(),
         cpu: cpu_seconds() - cpu0,
         syscalls: Some(SYNC_SYSCALLS),
+        dir_fsyncs: Some(1.0),
     })
 }
 
@@ -217,6 +232,7 @@ fn thread_per_caller(dir: &Path, callers: usize, updates: usize) -> anyhow::Resu
         wall: t0.elapsed(),
         cpu: cpu_seconds() - cpu0,
         syscalls: Some(SYNC_SYSCALLS),
+        dir_fsyncs: Some(1.0),
     })
 }
 
@@ -258,10 +274,14 @@ async fn engine_row(
     };
     run(2).await?;
     let (enters0, wakes0) = engine.stats().syscalls();
+    let before = engine.stats().snapshot();
     let (cpu0, t0) = (cpu_seconds(), Instant::now());
     let lat = run(per).await?;
     let (wall, cpu) = (t0.elapsed(), cpu_seconds() - cpu0);
     let (enters, wakes) = engine.stats().syscalls();
+    let after = engine.stats().snapshot();
+    #[allow(clippy::cast_precision_loss)]
+    let dir_fsyncs = Some((after[3] - before[3]) as f64 / (after[2] - before[2]).max(1) as f64);
     #[allow(clippy::cast_precision_loss)]
     let syscalls = match &*engine {
         Engine::Uring(_) => Some((enters - enters0 + wakes - wakes0) as f64 / lat.len() as f64),
@@ -274,6 +294,7 @@ async fn engine_row(
         wall,
         cpu,
         syscalls,
+        dir_fsyncs,
     })
 }
 
@@ -352,6 +373,7 @@ async fn e2e_section(
             wall,
             cpu,
             syscalls,
+            dir_fsyncs: None,
         });
         node.stop().await;
     }
