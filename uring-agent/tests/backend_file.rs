@@ -390,6 +390,17 @@ async fn lookup_finds_the_device_without_a_scan_and_never_trusts_a_reused_index(
     }
     assert_eq!(files.loop_scans(), 0, "creates and lookups scanned sysfs");
 
+    // A restarted agent scans once, then finds every device from what it learnt.
+    let restarted = FileBackend::new("files", pool.dir()).unwrap();
+    for (v, info) in volumes.iter().zip(&created) {
+        assert_eq!(restarted.lookup(v).await.unwrap().as_ref(), Some(info));
+    }
+    assert_eq!(
+        restarted.loop_scans(),
+        1,
+        "a restarted backend scanned more than once"
+    );
+
     // Detach a's device and bind another file at once: the kernel hands out the freed index
     // again (unless a parallel test took it; the check below holds either way).
     let a = &created[0];

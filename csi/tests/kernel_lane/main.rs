@@ -41,6 +41,8 @@
 //! 10. NVMe reservations (W9): with `resv_enable` the stager holds Write Exclusive, a connected
 //!     second host cannot write, the next stager preempts and aborts the first; without it,
 //!     nothing is written to it and the stage works
+//! 11. density: 1,000 exports on loop devices; one more Export timed at 10 and at 1,000; a
+//!     storage reboot and one resync of all 1,000, each back with its identity, ACL and port
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers),
@@ -53,6 +55,7 @@ mod lvm;
 mod reboot;
 
 mod s10_reservations;
+mod s11_density;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;

@@ -16,8 +16,10 @@
 //! Finding a volume's loop device costs the same however many loop devices the node has: the
 //! backend remembers the device it found or bound for each backing file, and trusts it only
 //! after `LOOP_GET_STATUS64` shows the file's device and inode; sysfs is scanned (every
-//! `/sys/block/loopN`) only when that fails, once at start, and by `delete`, which must find
-//! every device bound to the path, an unlinked earlier file's included.
+//! `/sys/block/loopN`) once after start, again only when a remembered device turns out unbound
+//! or rebound by someone else, and by `delete`, which must find every device bound to the path,
+//! an unlinked earlier file's included. Between scans a file the backend has no device for is
+//! unbound (loop devices of the pool's files are bound by this backend only).
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -45,15 +47,32 @@ pub struct FileBackend {
     inner: Arc<Inner>,
 }
 
+/// The loop device last found or bound for each backing file: hints, each confirmed by device
+/// and inode before use. `complete` while every binding of the pool's files is in `devices`:
+/// set by a full scan, kept by this backend's own binds and unbinds, cleared when a hint turns
+/// out wrong (someone else unbound or rebound a device), so that a file with no hint is known
+/// to be unbound without scanning again.
+#[derive(Debug, Default)]
+struct Known {
+    devices: HashMap<PathBuf, u32>,
+    complete: bool,
+}
+
+impl Known {
+    fn insert(&mut self, path: PathBuf, index: u32) {
+        self.devices.insert(path, index);
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
     pool: String,
     /// Canonical (symlink-free, absolute) pool directory: sysfs shows canonical paths.
     dir: PathBuf,
     direct_io: bool,
-    /// Serialises finding, binding and unbinding loop devices, and guards the loop device
-    /// last found or bound for each backing file (a hint, confirmed before use).
-    loop_lock: Mutex<HashMap<PathBuf, u32>>,
+    /// Serialises finding, binding and unbinding loop devices, and guards what the backend
+    /// knows of them.
+    loop_lock: Mutex<Known>,
     /// How many times every loop device was scanned through sysfs.
     scans: AtomicU64,
 }
@@ -86,7 +105,7 @@ impl FileBackend {
                 pool: pool.to_owned(),
                 dir: canonical,
                 direct_io: true,
-                loop_lock: Mutex::new(HashMap::new()),
+                loop_lock: Mutex::new(Known::default()),
                 scans: AtomicU64::new(0),
             }),
         })
@@ -101,7 +120,7 @@ impl FileBackend {
                 pool: self.inner.pool.clone(),
                 dir: self.inner.dir.clone(),
                 direct_io,
-                loop_lock: Mutex::new(HashMap::new()),
+                loop_lock: Mutex::new(Known::default()),
                 scans: AtomicU64::new(0),
             }),
         }
@@ -201,7 +220,7 @@ impl Inner {
         self.dir.join(format!("{}.{EXTENSION}", volume.as_str()))
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<PathBuf, u32>> {
+    fn lock(&self) -> MutexGuard<'_, Known> {
         // The map holds hints that are confirmed before use, so a panic while holding the lock
         // leaves nothing that could mislead.
         self.loop_lock
@@ -298,7 +317,7 @@ impl Inner {
         let path = self.backing_file(volume);
         {
             let mut known = self.lock();
-            known.remove(&path);
+            known.devices.remove(&path);
             // Every loop device on this path, including ones bound to an earlier, already
             // unlinked file of the same name.
             for binding in self.bindings(&path)? {
@@ -402,6 +421,7 @@ impl Inner {
                 device_path: loopdev::device_path(index),
             });
         }
+        known.complete = true;
         Ok(volumes)
     }
 
@@ -493,35 +513,46 @@ impl Inner {
 }
 
 /// The loop devices to consider for `file` at `path`: the one remembered in `known` when it is
-/// still bound to this very file (device and inode), else every binding sysfs shows for `path`
-/// (one scan of all loop devices, which also refreshes what `known` remembers for the pool).
-/// Call with the loop lock held (`known` is its data).
+/// still bound to this very file (device and inode); none when there is no hint and `known` is
+/// complete; else every binding sysfs shows for `path` (one scan of all loop devices, which
+/// makes `known` complete for the pool). Call with the loop lock held (`known` is its data).
 fn bindings_of(
-    known: &mut HashMap<PathBuf, u32>,
+    known: &mut Known,
     inner: &Inner,
     file: &File,
     path: &Path,
 ) -> Result<Vec<Binding>, BackendError> {
-    if let Some(&index) = known.get(path) {
-        let meta = file
-            .metadata()
-            .map_err(io_err("stat the backing file", path))?;
-        if matches!(loopdev::backing_identity(index), Ok(id) if id == (meta.dev(), meta.ino())) {
-            return Ok(vec![Binding {
-                index,
-                backing_file: path.to_owned(),
-                deleted: false,
-            }]);
+    match known.devices.get(path) {
+        Some(&index) => {
+            let meta = file
+                .metadata()
+                .map_err(io_err("stat the backing file", path))?;
+            if matches!(loopdev::backing_identity(index), Ok(id) if id == (meta.dev(), meta.ino()))
+            {
+                return Ok(vec![Binding {
+                    index,
+                    backing_file: path.to_owned(),
+                    deleted: false,
+                }]);
+            }
+            // Unbound or rebound behind our back: what else changed is unknown.
+            known.devices.remove(path);
+            known.complete = false;
         }
-        known.remove(path);
+        None if known.complete => return Ok(Vec::new()),
+        None => {}
     }
     let all = inner.all_bindings(path)?;
     for b in all
         .iter()
         .filter(|b| !b.deleted && b.backing_file.parent() == Some(inner.dir.as_path()))
     {
-        known.entry(b.backing_file.clone()).or_insert(b.index);
+        known
+            .devices
+            .entry(b.backing_file.clone())
+            .or_insert(b.index);
     }
+    known.complete = true;
     Ok(all.into_iter().filter(|b| b.backing_file == path).collect())
 }
 

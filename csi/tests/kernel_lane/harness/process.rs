@@ -80,6 +80,11 @@ impl Proc {
 
     /// SIGTERM, then SIGKILL after 15 s.
     pub(crate) fn stop(&mut self) {
+        // Reaped already (killed earlier): its pid may belong to another process by now.
+        if let Ok(Some(status)) = self.child.try_wait() {
+            println!("  {} had exited: {status}", self.name);
+            return;
+        }
         // SAFETY: kill(2) on the pid of our own child, which has not been reaped yet.
         unsafe { libc::kill(self.pid(), libc::SIGTERM) };
         let start = Instant::now();
