@@ -1,6 +1,8 @@
-//! Group commit: durable requests for one directory started in the same round share one
-//! directory fsync. Each member's reply is held until that fsync completes, and carries its
-//! error.
+//! Group commit: durable requests for one directory share one directory fsync. A group forms
+//! from the requests started in one round, and takes requests of later rounds for as long as
+//! one of its members is still in the ring (at most [`MAX_MEMBERS`]): its fsync starts only once
+//! every member's rename has completed, so a late member's rename is covered too. Each member's
+//! reply is held until that fsync completes, and carries its error.
 
 use std::io;
 use std::path::PathBuf;
@@ -10,11 +12,17 @@ use super::flight::clone_error;
 use super::job::Reply;
 use crate::engine::{DurableDir, DurableStep, EngineError};
 
-/// Durable requests for one directory started in the same round, sharing one directory fsync.
+/// How many requests one group takes, so that a steady stream of arrivals cannot keep its
+/// fsync from ever starting.
+pub(super) const MAX_MEMBERS: usize = 256;
+
+/// Durable requests for one directory, sharing one directory fsync.
 pub(super) struct Group {
     dir: Arc<DurableDir>,
     /// Members whose chains are still in the ring.
     running: usize,
+    /// Members ever added.
+    members: usize,
     /// Members whose chains finished: their reply, path, and result so far. Held until the
     /// shared fsync completes.
     finished: Vec<(Reply, PathBuf, Result<(), EngineError>)>,
@@ -25,6 +33,7 @@ impl Group {
         Self {
             dir,
             running: 0,
+            members: 0,
             finished: Vec::new(),
         }
     }
@@ -36,6 +45,13 @@ impl Group {
     /// A member's chain is in the ring.
     pub(super) fn add_member(&mut self) {
         self.running += 1;
+        self.members += 1;
+    }
+
+    /// Whether a request started now may join: the fsync has not started (a member is still
+    /// in the ring, so the fsync waits for the new one's rename too) and there is room.
+    pub(super) fn accepts(&self) -> bool {
+        self.running > 0 && self.members < MAX_MEMBERS
     }
 
     pub(super) fn has_members(&self) -> bool {
@@ -103,6 +119,30 @@ mod tests {
     fn group() -> Group {
         let tmp = tempfile::tempdir().unwrap();
         Group::new(DurableDir::open(tmp.path()).unwrap())
+    }
+
+    // A late request may join only while a member is still in the ring: once the last one
+    // finished, the fsync is due (or running) and a rename joining now would not be covered.
+    #[test]
+    fn a_group_takes_late_members_only_before_its_fsync_and_up_to_its_size() {
+        let mut group = group();
+        assert!(!group.accepts(), "an empty group has no fsync to share");
+        group.add_member();
+        assert!(group.accepts());
+        group.add_member();
+        let (first, _first_rx) = oneshot::channel();
+        assert!(!group.member_finished(first, path(), Ok(())));
+        assert!(group.accepts(), "one member still in the ring");
+        let (second, _second_rx) = oneshot::channel();
+        assert!(group.member_finished(second, path(), Ok(())));
+        assert!(!group.accepts(), "every member finished: the fsync is due");
+
+        let mut full = super::super::group::Group::new(Arc::clone(group.dir()));
+        for _ in 0..MAX_MEMBERS {
+            assert!(full.running == 0 || full.accepts());
+            full.add_member();
+        }
+        assert!(!full.accepts(), "a full group takes no more");
     }
 
     #[test]

@@ -73,6 +73,8 @@ pub(super) struct RingThread {
     durable: HashMap<FlightId, DurableFlight>,
     configfs: HashMap<FlightId, ConfigfsFlight>,
     groups: HashMap<FlightId, Group>,
+    /// Per directory, the latest group: the one later requests may join while it accepts.
+    open_groups: HashMap<RawFd, FlightId>,
     cleanups: HashMap<FlightId, Cleanup>,
     /// Groups whose directory fsync waits for room in the queue.
     due_fsyncs: Vec<FlightId>,
@@ -107,6 +109,7 @@ impl RingThread {
             durable: HashMap::new(),
             configfs: HashMap::new(),
             groups: HashMap::new(),
+            open_groups: HashMap::new(),
             cleanups: HashMap::new(),
             due_fsyncs: Vec::new(),
             due_cleanups: Vec::new(),
@@ -232,28 +235,49 @@ impl RingThread {
         self.waiting = later;
     }
 
+    /// Starts one directory's requests of this round: they join the directory's group still
+    /// taking members, or form a new group when there are several, or run alone (the directory
+    /// fsync in their own chain).
     fn start_durable_round(&mut self, jobs: Vec<DurableJob>, later: &mut VecDeque<Job>) {
-        let mut group = match jobs.first() {
-            Some(first) if jobs.len() > 1 => {
-                Some((self.ids.next(), Group::new(Arc::clone(&first.dir))))
-            }
+        let Some(first) = jobs.first() else {
+            return;
+        };
+        let dirfd = first.dir.raw_fd();
+        let joining = self
+            .open_groups
+            .get(&dirfd)
+            .copied()
+            .filter(|gid| self.groups.get(gid).is_some_and(Group::accepts));
+        let mut new_group = match joining {
+            None if jobs.len() > 1 => Some((self.ids.next(), Group::new(Arc::clone(&first.dir)))),
             _ => None,
         };
         for job in jobs {
-            match self.start_durable(job, group.as_ref().map(|(gid, _)| *gid)) {
-                Start::Started => {
-                    if let Some((_, group)) = &mut group {
-                        group.add_member();
+            let gid = joining.or(new_group.as_ref().map(|(gid, _)| *gid));
+            // An existing group may fill up (or, never within one round, stop accepting).
+            let gid = gid.filter(|gid| {
+                new_group.as_ref().is_some_and(|(g, _)| g == gid)
+                    || self.groups.get(gid).is_some_and(Group::accepts)
+            });
+            match self.start_durable(job, gid) {
+                Start::Started => match (&mut new_group, gid) {
+                    (Some((new, group)), Some(g)) if *new == g => group.add_member(),
+                    (_, Some(g)) => {
+                        if let Some(group) = self.groups.get_mut(&g) {
+                            group.add_member();
+                        }
                     }
-                }
+                    _ => {}
+                },
                 Start::Later(job) => later.push_back(Job::Durable(job)),
                 Start::Answered => {}
             }
         }
-        if let Some((gid, group)) = group
+        if let Some((gid, group)) = new_group
             && group.has_members()
         {
             self.groups.insert(gid, group);
+            self.open_groups.insert(dirfd, gid);
         }
     }
 
@@ -521,6 +545,9 @@ impl RingThread {
     }
 
     fn answer_group(&mut self, group: Group, fsync: io::Result<()>) {
+        // The answered group has left `groups`; forget it as its directory's open group.
+        let groups = &self.groups;
+        self.open_groups.retain(|_, gid| groups.contains_key(gid));
         for (reply, result) in group.complete(fsync) {
             if result.is_ok() {
                 EngineStats::add(&self.stats.durable_ops, 1);
