@@ -384,13 +384,7 @@ impl Agent {
         {
             let nqn = volume.subsystem_nqn();
             let guard = self.target.shared().await;
-            if self
-                .target
-                .read_back(&guard, nqn.as_str())
-                .await?
-                .subsystem(&nqn)
-                .is_some()
-            {
+            if self.target.subsystem_exists(&guard, nqn.as_str()).await? {
                 return Err(AgentError::StillExported {
                     volume: volume.to_string(),
                 });
@@ -535,13 +529,7 @@ impl Agent {
             )
             .await?;
         self.target.apply(&guard, ops).await?;
-        if self
-            .target
-            .read_back(&guard, nqn.as_str())
-            .await?
-            .subsystem(&nqn)
-            .is_some()
-        {
+        if self.target.subsystem_exists(&guard, nqn.as_str()).await? {
             return Err(AgentError::Verify(pillar_nvmet::VerifyError {
                 nqn: nqn.to_string(),
                 mismatches: vec![pillar_nvmet::Mismatch {

@@ -283,6 +283,19 @@ impl Target {
         Ok(scoped)
     }
 
+    /// Whether the subsystem `nqn` exists, as the kernel shows it now (a scoped read).
+    pub async fn subsystem_exists(
+        &self,
+        guard: &TargetGuard<'_>,
+        nqn: &str,
+    ) -> Result<bool, TargetError> {
+        Ok(self
+            .read_back(guard, nqn)
+            .await?
+            .subsystems
+            .contains_key(nqn))
+    }
+
     /// [`read_back`](Self::read_back), then the state to plan the rest of an operation with.
     pub async fn read_back_view(
         &self,

@@ -95,6 +95,19 @@ struct Row {
 }
 
 impl Row {
+    /// A row of a synchronous design measured from `t0` and `cpu0`.
+    fn synchronous(design: &str, in_flight: usize, lat: Latencies, t0: Instant, cpu0: f64) -> Self {
+        Self {
+            design: design.into(),
+            in_flight,
+            lat,
+            wall: t0.elapsed(),
+            cpu: cpu_seconds() - cpu0,
+            syscalls: Some(SYNC_SYSCALLS),
+            dir_fsyncs: Some(1.0),
+        }
+    }
+
     fn json(&mut self, section: &str) -> serde_json::Value {
         let n = self.lat.len().max(1);
         #[allow(clippy::cast_precision_loss)]
@@ -159,15 +172,7 @@ fn floor(dir: &Path, updates: usize) -> anyhow::Result<Row> {
         sync_update(&d, &dirfd, "mark.json")?;
         lat.push(t.elapsed());
     }
-    Ok(Row {
-        design: "floor (1 thread)".into(),
-        in_flight: 1,
-        lat,
-        wall: t0.elapsed(),
-        cpu: cpu_seconds() - cpu0,
-        syscalls: Some(SYNC_SYSCALLS),
-        dir_fsyncs: Some(1.0),
-    })
+    Ok(Row::synchronous("floor (1 thread)", 1, lat, t0, cpu0))
 }
 
 /// One thread serving `callers` callers' updates in turn (no concurrency at all).
@@ -186,15 +191,13 @@ fn one_thread(dir: &Path, callers: usize, updates: usize) -> anyhow::Result<Row>
             lat.push(round.elapsed());
         }
     }
-    Ok(Row {
-        design: "one thread, in turn".into(),
-        in_flight: callers,
+    Ok(Row::synchronous(
+        "one thread, in turn",
+        callers,
         lat,
-        wall: t0.elapsed(),
-        cpu: cpu_seconds() - cpu0,
-        syscalls: Some(SYNC_SYSCALLS),
-        dir_fsyncs: Some(1.0),
-    })
+        t0,
+        cpu0,
+    ))
 }
 
 /// A thread per caller, each doing its own synchronous updates.
@@ -225,15 +228,13 @@ fn thread_per_caller(dir: &Path, callers: usize, updates: usize) -> anyhow::Resu
                 .map_err(|_| anyhow::anyhow!("a caller thread panicked"))??,
         );
     }
-    Ok(Row {
-        design: "thread per caller".into(),
-        in_flight: callers,
+    Ok(Row::synchronous(
+        "thread per caller",
+        callers,
         lat,
-        wall: t0.elapsed(),
-        cpu: cpu_seconds() - cpu0,
-        syscalls: Some(SYNC_SYSCALLS),
-        dir_fsyncs: Some(1.0),
-    })
+        t0,
+        cpu0,
+    ))
 }
 
 /// pillar's engine (io_uring or sync) with `callers` concurrent tasks.
