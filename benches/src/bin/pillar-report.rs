@@ -6,8 +6,8 @@
 //!
 //! - engine: the fenced mark update (write temp, fsync, rename, fsync directory) at 1, 16, 64
 //!   and 256 in flight: the floor (the same four syscalls, one thread, nothing else), one
-//!   thread doing every caller's updates in turn, a thread per caller, pillar's synchronous
-//!   engine and pillar's io_uring engine. CPU per update from getrusage; syscalls per update
+//!   thread doing every caller's updates in turn, a thread per caller, tokio-uring with each
+//!   step awaited in turn, pillar's synchronous engine and pillar's io_uring engine. CPU per update from getrusage; syscalls per update
 //!   counted by the io_uring engine (every io_uring_enter and eventfd write) and by
 //!   construction for the synchronous designs (2 openat, write, fsync, close, rename, openat
 //!   of the directory kept open: see `sync_update`).
@@ -237,6 +237,73 @@ fn thread_per_caller(dir: &Path, callers: usize, updates: usize) -> anyhow::Resu
     ))
 }
 
+/// tokio-uring, each step awaited in turn (open temp, write, fsync, close, rename, open the
+/// directory, fsync it, close it): io_uring without chains or group commit. On its own
+/// single-threaded runtime, in a thread of its own.
+fn tokio_uring_row(dir: &Path, callers: usize, updates: usize) -> anyhow::Result<Row> {
+    async fn update(dir: &Path, name: &str) -> std::io::Result<()> {
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let file = tokio_uring::fs::File::create(&tmp).await?;
+        let (written, _) = file.write_at(MARK.to_vec(), 0).submit().await;
+        if written? != MARK.len() {
+            return Err(std::io::Error::other("short write"));
+        }
+        file.sync_all().await?;
+        file.close().await?;
+        tokio_uring::fs::rename(&tmp, dir.join(name)).await?;
+        let d = tokio_uring::fs::File::open(dir).await?;
+        d.sync_all().await?;
+        d.close().await
+    }
+    let d = dir.join(format!("tokio-uring-{callers}"));
+    std::fs::create_dir_all(&d)?;
+    let per = updates.div_ceil(callers);
+    let handle = std::thread::spawn(move || {
+        tokio_uring::start(async move {
+            let run = |n: usize| {
+                let tasks: Vec<_> = (0..callers)
+                    .map(|c| {
+                        let d = d.clone();
+                        tokio_uring::spawn(async move {
+                            let mut lat = Latencies::default();
+                            for _ in 0..n {
+                                let t = Instant::now();
+                                update(&d, &format!("v{c}.json")).await?;
+                                lat.push(t.elapsed());
+                            }
+                            std::io::Result::Ok(lat)
+                        })
+                    })
+                    .collect();
+                async move {
+                    let mut all = Latencies::default();
+                    for t in tasks {
+                        all.extend(t.await.map_err(std::io::Error::other)??);
+                    }
+                    std::io::Result::Ok(all)
+                }
+            };
+            run(2).await?;
+            let (cpu0, t0) = (cpu_seconds(), Instant::now());
+            let lat = run(per).await?;
+            std::io::Result::Ok((lat, t0.elapsed(), cpu_seconds() - cpu0))
+        })
+    });
+    let (lat, wall, cpu) = handle
+        .join()
+        .map_err(|_| anyhow::anyhow!("the tokio-uring thread panicked"))??;
+    Ok(Row {
+        design: "tokio-uring, awaited".into(),
+        in_flight: callers,
+        lat,
+        wall,
+        cpu,
+        // Its io_uring_enter calls are its runtime's, not counted here.
+        syscalls: None,
+        dir_fsyncs: Some(1.0),
+    })
+}
+
 /// pillar's engine (io_uring or sync) with `callers` concurrent tasks.
 async fn engine_row(
     engine: Arc<Engine>,
@@ -310,6 +377,7 @@ async fn engine_section(
     for &n in &args.in_flight {
         rows.push(one_thread(dir, n, args.updates)?);
         rows.push(thread_per_caller(dir, n, args.updates)?);
+        rows.push(tokio_uring_row(dir, n, args.updates)?);
         rows.push(engine_row(Arc::clone(&sync), dir, n, args.updates).await?);
         rows.push(engine_row(Arc::clone(&uring), dir, n, args.updates).await?);
     }
