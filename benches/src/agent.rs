@@ -225,7 +225,7 @@ impl Node {
             .map(|r| (r.volume_id, r.message))
             .collect();
         if let Some((v, why)) = failed.iter().next() {
-            tracing_free_eprint(v, why);
+            print_resync_failure(v, why);
         }
         Ok(failed.len())
     }
@@ -240,7 +240,7 @@ impl Node {
 }
 
 #[allow(clippy::print_stderr)] // the benchmark's own diagnostics
-fn tracing_free_eprint(volume: &str, why: &str) {
+fn print_resync_failure(volume: &str, why: &str) {
     eprintln!("resync of {volume} failed: {why}");
 }
 

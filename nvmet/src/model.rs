@@ -315,7 +315,7 @@ fn observe_port_scope(root: &Path, dir: &Path, nqn: &str) -> Result<PortState, O
     }
     // One other link is enough to know the port is shared; stop reading there.
     if let Some(other) =
-        first_entry_except(&subs_dir, nqn).map_err(|source| ObserveError::ListDir {
+        first_entry_except(&subs_dir, Some(nqn)).map_err(|source| ObserveError::ListDir {
             path: subs_dir.clone(),
             source,
         })?
@@ -328,7 +328,7 @@ fn observe_port_scope(root: &Path, dir: &Path, nqn: &str) -> Result<PortState, O
 /// The first entry of `dir` other than `.`, `..` and `except`, reading a few entries at a time:
 /// `std::fs::read_dir` asks for a 32 KiB buffer full, and tmpfs and configfs do work for every
 /// entry they return, so its cost grows with the directory. `None` when there is no other entry.
-pub fn first_entry_except(dir: &Path, except: &str) -> io::Result<Option<String>> {
+pub fn first_entry_except(dir: &Path, except: Option<&str>) -> io::Result<Option<String>> {
     use rustix::fs::{Mode, OFlags, RawDir};
     let fd = rustix::fs::open(
         dir,
@@ -341,7 +341,7 @@ pub fn first_entry_except(dir: &Path, except: &str) -> io::Result<Option<String>
     while let Some(entry) = entries.next() {
         let entry = entry?;
         let name = entry.file_name().to_bytes();
-        if name == b"." || name == b".." || name == except.as_bytes() {
+        if name == b"." || name == b".." || except.is_some_and(|e| name == e.as_bytes()) {
             continue;
         }
         return std::str::from_utf8(name)

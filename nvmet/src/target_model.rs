@@ -83,13 +83,13 @@ impl TargetModel {
             .retain(|id, _| scoped.ports.contains_key(id));
         for (id, seen) in &scoped.ports {
             let port = self.state.ports.entry(*id).or_default();
-            let links = std::mem::take(&mut port.subsystems);
+            let mut links = std::mem::take(&mut port.subsystems);
+            links.remove(nqn);
+            links.extend(seen.subsystems.iter().cloned());
             *port = PortState {
                 subsystems: links,
-                ..seen.clone()
+                ..seen.clone_attributes()
             };
-            port.subsystems.remove(nqn);
-            port.subsystems.extend(seen.subsystems.iter().cloned());
         }
         self.state.hosts.clone_from(&scoped.hosts);
     }

@@ -253,7 +253,9 @@ impl Target {
             if !guard.is_exclusive() {
                 return Ok(None);
             }
+            // The full read just now covers `nqn` too.
             self.observe_all(guard).await?;
+            return Ok(Some(self.model().model.view(nqn)));
         }
         let scoped = self.read_scope(nqn).await?;
         let mut slot = self.model();
@@ -265,9 +267,8 @@ impl Target {
     /// read loaded the model moments before. A plan from it that the kernel's state no longer
     /// matches fails at its first step or at the read-back, like any stale plan. `None` as for
     /// [`plan_view`](Self::plan_view).
-    pub fn model_view(&self, guard: &TargetGuard<'_>, nqn: &str) -> Option<TargetState> {
+    pub fn model_view(&self, _guard: &TargetGuard<'_>, nqn: &str) -> Option<TargetState> {
         let slot = self.model();
-        let _ = guard;
         slot.current.then(|| slot.model.view(nqn))
     }
 

@@ -58,12 +58,6 @@ struct Known {
     complete: bool,
 }
 
-impl Known {
-    fn insert(&mut self, path: PathBuf, index: u32) {
-        self.devices.insert(path, index);
-    }
-}
-
 #[derive(Debug)]
 struct Inner {
     pool: String,
@@ -269,7 +263,7 @@ impl Inner {
             bindings_of(&mut known, self, &file, &path)?
         };
         let index = self.ensure_attached(&file, &path, size, &bindings)?;
-        known.insert(path, index);
+        known.devices.insert(path, index);
         Ok(VolumeInfo {
             volume,
             size_bytes: size,
@@ -305,7 +299,7 @@ impl Inner {
         let mut known = self.lock();
         let bindings = bindings_of(&mut known, self, &file, &path)?;
         let index = self.ensure_attached(&file, &path, size, &bindings)?;
-        known.insert(path, index);
+        known.devices.insert(path, index);
         Ok(VolumeInfo {
             volume,
             size_bytes: size,
@@ -362,7 +356,7 @@ impl Inner {
         let mut known = self.lock();
         let bindings = bindings_of(&mut known, self, &file, &path)?;
         let index = self.ensure_attached(&file, &path, size, &bindings)?;
-        known.insert(path, index);
+        known.devices.insert(path, index);
         Ok(Some(VolumeInfo {
             volume,
             size_bytes: size,
@@ -394,11 +388,7 @@ impl Inner {
         }
         candidates.sort();
         let mut known = self.lock();
-        self.scans.fetch_add(1, Ordering::Relaxed);
-        let all = loopdev::bindings().map_err(|source| BackendError::Loop {
-            path: self.dir.clone(),
-            source,
-        })?;
+        let all = self.all_bindings(&self.dir)?;
         for volume in candidates {
             let path = self.backing_file(&volume);
             let file = match open_file(&path, false) {
@@ -414,7 +404,7 @@ impl Inner {
                 .cloned()
                 .collect();
             let index = self.ensure_attached(&file, &path, size, &mine)?;
-            known.insert(path, index);
+            known.devices.insert(path, index);
             volumes.push(VolumeInfo {
                 volume,
                 size_bytes: size,

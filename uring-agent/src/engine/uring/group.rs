@@ -51,7 +51,12 @@ impl Group {
     /// Whether a request started now may join: the fsync has not started (a member is still
     /// in the ring, so the fsync waits for the new one's rename too) and there is room.
     pub(super) fn accepts(&self) -> bool {
-        self.running > 0 && self.members < MAX_MEMBERS
+        self.running > 0 && self.has_room()
+    }
+
+    /// Whether the group has room for another member.
+    pub(super) fn has_room(&self) -> bool {
+        self.members < MAX_MEMBERS
     }
 
     pub(super) fn has_members(&self) -> bool {

@@ -73,8 +73,6 @@ pub(super) struct RingThread {
     durable: HashMap<FlightId, DurableFlight>,
     configfs: HashMap<FlightId, ConfigfsFlight>,
     groups: HashMap<FlightId, Group>,
-    /// Per directory, the latest group: the one later requests may join while it accepts.
-    open_groups: HashMap<RawFd, FlightId>,
     cleanups: HashMap<FlightId, Cleanup>,
     /// Groups whose directory fsync waits for room in the queue.
     due_fsyncs: Vec<FlightId>,
@@ -109,7 +107,6 @@ impl RingThread {
             durable: HashMap::new(),
             configfs: HashMap::new(),
             groups: HashMap::new(),
-            open_groups: HashMap::new(),
             cleanups: HashMap::new(),
             due_fsyncs: Vec::new(),
             due_cleanups: Vec::new(),
@@ -243,41 +240,37 @@ impl RingThread {
             return;
         };
         let dirfd = first.dir.raw_fd();
-        let joining = self
-            .open_groups
-            .get(&dirfd)
-            .copied()
-            .filter(|gid| self.groups.get(gid).is_some_and(Group::accepts));
-        let mut new_group = match joining {
+        // At most one group of a directory accepts: a new one forms only when none does. It is
+        // taken out of `groups` for the round (no completion is reaped meanwhile).
+        let open = self
+            .groups
+            .iter()
+            .find(|(_, g)| g.dir().raw_fd() == dirfd && g.accepts())
+            .map(|(gid, _)| *gid);
+        let mut group = match open {
+            Some(gid) => self.groups.remove(&gid).map(|g| (gid, g)),
             None if jobs.len() > 1 => Some((self.ids.next(), Group::new(Arc::clone(&first.dir)))),
-            _ => None,
+            None => None,
         };
         for job in jobs {
-            let gid = joining.or(new_group.as_ref().map(|(gid, _)| *gid));
-            // An existing group may fill up (or, never within one round, stop accepting).
-            let gid = gid.filter(|gid| {
-                new_group.as_ref().is_some_and(|(g, _)| g == gid)
-                    || self.groups.get(gid).is_some_and(Group::accepts)
-            });
+            let gid = group
+                .as_ref()
+                .filter(|(_, g)| g.has_room())
+                .map(|(gid, _)| *gid);
             match self.start_durable(job, gid) {
-                Start::Started => match (&mut new_group, gid) {
-                    (Some((new, group)), Some(g)) if *new == g => group.add_member(),
-                    (_, Some(g)) => {
-                        if let Some(group) = self.groups.get_mut(&g) {
-                            group.add_member();
-                        }
+                Start::Started => {
+                    if let (Some(_), Some((_, g))) = (gid, &mut group) {
+                        g.add_member();
                     }
-                    _ => {}
-                },
+                }
                 Start::Later(job) => later.push_back(Job::Durable(job)),
                 Start::Answered => {}
             }
         }
-        if let Some((gid, group)) = new_group
+        if let Some((gid, group)) = group
             && group.has_members()
         {
             self.groups.insert(gid, group);
-            self.open_groups.insert(dirfd, gid);
         }
     }
 
@@ -545,9 +538,6 @@ impl RingThread {
     }
 
     fn answer_group(&mut self, group: Group, fsync: io::Result<()>) {
-        // The answered group has left `groups`; forget it as its directory's open group.
-        let groups = &self.groups;
-        self.open_groups.retain(|_, gid| groups.contains_key(gid));
         for (reply, result) in group.complete(fsync) {
             if result.is_ok() {
                 EngineStats::add(&self.stats.durable_ops, 1);
