@@ -19,8 +19,6 @@
 #![allow(clippy::print_stdout)] // a benchmark reports on stdout
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,7 +27,7 @@ use clap::Parser;
 use pillar_agent::engine::sync::SyncEngine;
 use pillar_agent::engine::uring::{UringConfig, UringEngine};
 use pillar_agent::engine::{DurableDir, Engine};
-use pillar_benches::{Latencies, agent, cpu_seconds};
+use pillar_benches::{Latencies, MARK, agent, cpu_seconds, sync_update};
 use serde_json::json;
 
 #[derive(Parser, Debug)]
@@ -58,26 +56,6 @@ struct Args {
     /// Small counts for a smoke run (CI): 64 updates, exports 10 and 100.
     #[arg(long)]
     quick: bool,
-}
-
-const MARK: &[u8] = br#"{"format":1,"mark":{"volume":"pvc-00000000-0000-0000-0000-000000000000","owner_uid":"6f1c0b1e-93c5-4c43-9d1a-0d1c6b7f2a10","generation":12345,"ended":false,"retired_uids":[]},"sha256":"0000000000000000000000000000000000000000000000000000000000000000"}"#;
-
-/// One durable replace the way the synchronous designs do it, on an open directory descriptor:
-/// openat temp, write, fsync, close, renameat, fsync directory (6 syscalls; the io_uring engine
-/// counts its own).
-fn sync_update(dir: &Path, dirfd: &std::fs::File, name: &str) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(true)
-        .write(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(MARK)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, dir.join(name))?;
-    dirfd.sync_all()
 }
 
 const SYNC_SYSCALLS: f64 = 6.0;
