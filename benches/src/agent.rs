@@ -115,7 +115,7 @@ impl Node {
         let service = AgentService::new(Arc::clone(&agent), metrics);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let incoming = pillar_grpc_unix::incoming(listener);
             let _ = tonic::transport::Server::builder()
                 .add_service(AgentServer::new(service))
                 .serve_with_incoming_shutdown(incoming, async {

@@ -57,10 +57,8 @@ where
         .add_optional_service(controller.map(csi::controller_server::ControllerServer::new))
         .add_optional_service(node.map(csi::node_server::NodeServer::new))
         .add_service(reflection)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::UnixListenerStream::new(listener),
-            shutdown,
-        )
+        // Every client's authority accepted (C-core clients send the socket path).
+        .serve_with_incoming_shutdown(pillar_grpc_unix::incoming(listener), shutdown)
         .await
         .map_err(ServeError::Serve)
 }

@@ -52,6 +52,30 @@ async fn fence_ahead(env: &Env, volume: &str) {
         .unwrap();
 }
 
+/// What the controller advertises is what it does: a read-only publish is honoured (N5), and
+/// SINGLE_NODE_MULTI_WRITER is advertised by the node service too (`node_requests.rs`).
+#[tokio::test]
+async fn the_controller_advertises_read_only_publish_and_single_node_multi_writer() {
+    use csi::controller_service_capability::{Type, rpc};
+    let mut env = Env::start(StoreKind::Embedded, true).await;
+    let caps: Vec<i32> = env
+        .client
+        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .into_iter()
+        .map(|c| match c.r#type {
+            Some(Type::Rpc(r)) => r.r#type,
+            None => panic!("capability without a type"),
+        })
+        .collect();
+    for wanted in [rpc::Type::PublishReadonly, rpc::Type::SingleNodeMultiWriter] {
+        assert!(caps.contains(&i32::from(wanted)), "{wanted:?} in {caps:?}");
+    }
+}
+
 // proves W2 (every row of the publish table), W1, W6
 #[tokio::test]
 async fn the_publish_table() {
@@ -85,7 +109,8 @@ async fn the_publish_table() {
             .await
             .unwrap();
 
-        // RWO on node-1 + any mode on node-2: FAILED_PRECONDITION naming node-1.
+        // RWO on node-1 + any mode on node-2: FAILED_PRECONDITION naming node-1's node ID (the
+        // spec's SHOULD: the caller can tell which node to unpublish from).
         for mode in [
             Mode::SingleNodeWriter,
             Mode::MultiNodeReaderOnly,
@@ -106,7 +131,7 @@ async fn the_publish_table() {
                 "{kind:?} {mode:?}: {}",
                 s.message()
             );
-            assert!(s.message().contains("node-1"), "{}", s.message());
+            assert!(s.message().contains(&node_id(1)), "{}", s.message());
         }
         // Same node, another mode or readonly flag: ALREADY_EXISTS.
         let s = c

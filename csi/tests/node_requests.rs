@@ -66,6 +66,7 @@ async fn node_capabilities() {
         rpc::Type::ExpandVolume,
         rpc::Type::GetVolumeStats,
         rpc::Type::VolumeCondition,
+        rpc::Type::SingleNodeMultiWriter,
     ]
     .into_iter()
     .map(i32::from)

@@ -291,7 +291,8 @@ pub async fn serve(
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
             tracing::info!(socket = %path.display(), "serving gRPC");
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            // Every client's authority accepted (C-core clients send the socket path).
+            let incoming = pillar_grpc_unix::incoming(listener);
             router
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await

@@ -27,11 +27,11 @@ pub enum ControllerError {
     #[error("volume {0} already exists with other properties: {1}")]
     AlreadyExists(String, String),
     #[error(
-        "volume {volume} is published to node {node} ({mode:?}); a single-node volume cannot be published to {requested}"
+        "volume {volume} is published at node ID {node_id} ({mode:?}); a single-node volume cannot be published to {requested}"
     )]
     PublishedElsewhere {
         volume: String,
-        node: String,
+        node_id: String,
         mode: AccessMode,
         requested: String,
     },

@@ -39,7 +39,9 @@ pub enum Decision {
     /// This node holds the volume with another mode, readonly flag or host: ALREADY_EXISTS.
     PublishedDifferently { node: String },
     /// Another node holds the volume and the two cannot share it: FAILED_PRECONDITION.
-    PublishedElsewhere { node: String, mode: AccessMode },
+    /// `node_id` is the CSI node ID of the publication that refuses (`<node>/<host-nqn>`), as
+    /// the spec asks the error to name it.
+    PublishedElsewhere { node_id: String, mode: AccessMode },
 }
 
 /// Whether a publication may coexist with publications on other nodes: only read-only access
@@ -83,7 +85,7 @@ pub fn decide_publication(status: &PillarVolumeStateStatus, wanted: &PublishedNo
             recorded = true;
         } else if !(shareable(p) && shareable(wanted)) {
             return Decision::PublishedElsewhere {
-                node: p.node.clone(),
+                node_id: format!("{}/{}", p.node, p.host_nqn),
                 mode: p.access_mode,
             };
         }
@@ -126,12 +128,12 @@ fn record(
                 node,
             });
         }
-        Decision::PublishedElsewhere { node, mode } => {
+        Decision::PublishedElsewhere { node_id, mode } => {
             return Err(ControllerError::PublishedElsewhere {
                 volume: volume.to_owned(),
-                node,
+                node_id,
                 mode,
-                requested: wanted.node.clone(),
+                requested: format!("{}/{}", wanted.node, wanted.host_nqn),
             });
         }
     }
@@ -451,7 +453,7 @@ mod tests {
 
     fn elsewhere(mode: AccessMode) -> Decision {
         Decision::PublishedElsewhere {
-            node: "a".into(),
+            node_id: format!("a/{HOST_A}"),
             mode,
         }
     }
@@ -503,7 +505,7 @@ mod tests {
 
     // proves W2
     #[test]
-    fn a_single_node_mode_elsewhere_is_refused_naming_the_node() {
+    fn a_single_node_mode_elsewhere_is_refused_naming_the_node_id() {
         for (held, wanted) in [
             (Rwo, Rwo),
             (Rwo, Rox),

@@ -132,6 +132,8 @@ impl csi::controller_server::Controller for ControllerService {
                 Type::GetVolume,
                 Type::VolumeCondition,
                 Type::SingleNodeMultiWriter,
+                // ControllerPublishVolume honours `readonly` (N5: the node stages read-only).
+                Type::PublishReadonly,
             ]
             .into_iter()
             .map(cap)

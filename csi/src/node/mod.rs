@@ -349,6 +349,8 @@ impl Node for NodeService {
             rpc::Type::ExpandVolume,
             rpc::Type::GetVolumeStats,
             rpc::Type::VolumeCondition,
+            // The controller advertises it too: the CO may only use the mode where both agree.
+            rpc::Type::SingleNodeMultiWriter,
         ]
         .into_iter()
         .map(|t| csi::NodeServiceCapability {

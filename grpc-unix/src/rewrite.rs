@@ -1,0 +1,577 @@
+//! The client-to-server half of an HTTP/2 connection, with every request's `:authority` made
+//! acceptable to the server.
+//!
+//! Invariants:
+//! - Every byte that is not part of a header block (the connection preface, every other frame)
+//!   is passed through unchanged and in order.
+//! - Every header block is decoded with the client's HPACK state (so its dynamic table stays the
+//!   one the client's encoder assumes) and sent on with every field as a "literal never
+//!   indexed": the server's decoder table is never filled, so nothing the server decodes can
+//!   depend on what this rewriter dropped, and a field the client marked sensitive stays so.
+//! - A `:authority` that is not a valid URI authority (a socket path, raw or %-encoded) becomes
+//!   `localhost`, what Go clients send on unix sockets; a valid one is kept.
+//! - Anything this cannot follow (a broken header block, a CONTINUATION out of place, a block
+//!   larger than [`MAX_BLOCK`]) is an error: the connection is closed, never passed on half
+//!   rewritten.
+
+use std::collections::VecDeque;
+
+/// The HTTP/2 client connection preface.
+const PREFACE_LEN: usize = 24;
+/// Frame header length.
+const FRAME_HEADER: usize = 9;
+/// The largest frame every HTTP/2 server accepts (SETTINGS_MAX_FRAME_SIZE's initial value).
+const MAX_FRAME: usize = 16_384;
+/// The largest header block this buffers (a gRPC request's headers are a few hundred bytes).
+pub const MAX_BLOCK: usize = 1 << 20;
+/// The dynamic table size the server's SETTINGS allow (the protocol's initial value; tonic's
+/// server does not change it).
+const TABLE_SIZE: usize = 4096;
+
+const HEADERS: u8 = 0x1;
+const CONTINUATION: u8 = 0x9;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY: u8 = 0x20;
+
+/// The authority sent in place of one the server would refuse.
+pub const REPLACEMENT: &str = "localhost";
+
+/// Why a connection's bytes could not be followed.
+#[derive(Debug, thiserror::Error)]
+pub enum RewriteError {
+    #[error("HTTP/2 HEADERS frame on stream {stream} has padding longer than its payload")]
+    Padding { stream: u32 },
+    #[error("HTTP/2 HEADERS frame on stream {stream} is too short for its priority fields")]
+    Priority { stream: u32 },
+    #[error(
+        "HTTP/2 frame of type {kind:#x} on stream {stream} while a header block of stream {open} is open"
+    )]
+    Interleaved { kind: u8, stream: u32, open: u32 },
+    #[error("HTTP/2 CONTINUATION on stream {stream} without an open header block")]
+    StrayContinuation { stream: u32 },
+    #[error("HTTP/2 header block on stream {stream} exceeds {MAX_BLOCK} bytes")]
+    BlockTooLarge { stream: u32 },
+    #[error("HPACK header block on stream {stream} cannot be decoded: {reason}")]
+    Hpack { stream: u32, reason: String },
+}
+
+/// A header block being gathered from HEADERS and CONTINUATION frames.
+#[derive(Debug)]
+struct OpenBlock {
+    stream: u32,
+    end_stream: bool,
+    fragment: Vec<u8>,
+}
+
+/// The rewriting state of one connection's client-to-server bytes.
+pub struct Rewriter {
+    preface_left: usize,
+    /// Bytes of a passed-through frame's payload still to come.
+    passthrough_left: usize,
+    /// A frame header, and for header frames their payload, being gathered.
+    frame: Vec<u8>,
+    block: Option<OpenBlock>,
+    decoder: loona_hpack::Decoder<'static>,
+    out: VecDeque<u8>,
+    replaced: u64,
+}
+
+impl std::fmt::Debug for Rewriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rewriter")
+            .field("preface_left", &self.preface_left)
+            .field("passthrough_left", &self.passthrough_left)
+            .field("pending_out", &self.out.len())
+            .field("replaced", &self.replaced)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Rewriter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Rewriter {
+    /// A rewriter at the start of a connection.
+    pub fn new() -> Self {
+        let mut decoder = loona_hpack::Decoder::new();
+        decoder.set_max_allowed_table_size(TABLE_SIZE);
+        Self {
+            preface_left: PREFACE_LEN,
+            passthrough_left: 0,
+            frame: Vec::with_capacity(FRAME_HEADER),
+            block: None,
+            decoder,
+            out: VecDeque::new(),
+            replaced: 0,
+        }
+    }
+
+    /// How many `:authority` values were replaced so far.
+    pub fn replaced(&self) -> u64 {
+        self.replaced
+    }
+
+    /// How many rewritten bytes wait to be read.
+    pub fn pending(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Moves up to `buf.len()` rewritten bytes into `buf`; how many.
+    pub fn read_into(&mut self, buf: &mut [u8]) -> usize {
+        let n = buf.len().min(self.out.len());
+        for (slot, byte) in buf.iter_mut().zip(self.out.drain(..n)) {
+            *slot = byte;
+        }
+        n
+    }
+
+    /// Takes the client's next bytes.
+    pub fn feed(&mut self, mut input: &[u8]) -> Result<(), RewriteError> {
+        while !input.is_empty() {
+            if self.preface_left > 0 || self.passthrough_left > 0 {
+                let left = if self.preface_left > 0 {
+                    &mut self.preface_left
+                } else {
+                    &mut self.passthrough_left
+                };
+                let n = (*left).min(input.len());
+                self.out.extend(&input[..n]);
+                *left -= n;
+                input = &input[n..];
+                continue;
+            }
+            let wanted = if self.frame.len() < FRAME_HEADER {
+                FRAME_HEADER
+            } else {
+                FRAME_HEADER + payload_len(&self.frame)
+            };
+            let n = (wanted - self.frame.len()).min(input.len());
+            self.frame.extend_from_slice(&input[..n]);
+            input = &input[n..];
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Acts on a gathered frame header or header frame, if complete.
+    fn step(&mut self) -> Result<(), RewriteError> {
+        if self.frame.len() < FRAME_HEADER {
+            return Ok(());
+        }
+        let (len, kind, stream) = (
+            payload_len(&self.frame),
+            self.frame[3],
+            stream_of(&self.frame),
+        );
+        if kind != HEADERS && kind != CONTINUATION {
+            if let Some(open) = &self.block {
+                return Err(RewriteError::Interleaved {
+                    kind,
+                    stream,
+                    open: open.stream,
+                });
+            }
+            self.out.extend(&self.frame);
+            self.frame.clear();
+            self.passthrough_left = len;
+            return Ok(());
+        }
+        if len > MAX_BLOCK {
+            return Err(RewriteError::BlockTooLarge { stream });
+        }
+        if self.frame.len() < FRAME_HEADER + len {
+            return Ok(());
+        }
+        let frame = std::mem::take(&mut self.frame);
+        self.header_frame(kind, frame[4], stream, &frame[FRAME_HEADER..])?;
+        self.frame = frame;
+        self.frame.clear();
+        Ok(())
+    }
+
+    fn header_frame(
+        &mut self,
+        kind: u8,
+        flags: u8,
+        stream: u32,
+        mut payload: &[u8],
+    ) -> Result<(), RewriteError> {
+        if kind == HEADERS {
+            if let Some(open) = &self.block {
+                return Err(RewriteError::Interleaved {
+                    kind,
+                    stream,
+                    open: open.stream,
+                });
+            }
+            if flags & PADDED != 0 {
+                let (&pad, rest) = payload
+                    .split_first()
+                    .ok_or(RewriteError::Padding { stream })?;
+                let keep = rest
+                    .len()
+                    .checked_sub(usize::from(pad))
+                    .ok_or(RewriteError::Padding { stream })?;
+                payload = &rest[..keep];
+            }
+            if flags & PRIORITY != 0 {
+                // Stream dependency and weight: deprecated (RFC 9113) and ignored by the server.
+                payload = payload.get(5..).ok_or(RewriteError::Priority { stream })?;
+            }
+            self.block = Some(OpenBlock {
+                stream,
+                end_stream: flags & END_STREAM != 0,
+                fragment: payload.to_vec(),
+            });
+        } else {
+            match &mut self.block {
+                Some(open) if open.stream == stream => {
+                    if open.fragment.len() + payload.len() > MAX_BLOCK {
+                        return Err(RewriteError::BlockTooLarge { stream });
+                    }
+                    open.fragment.extend_from_slice(payload);
+                }
+                _ => return Err(RewriteError::StrayContinuation { stream }),
+            }
+        }
+        if flags & END_HEADERS != 0 {
+            let open = self.block.take().expect("a header block was opened above");
+            self.finish(open)?;
+        }
+        Ok(())
+    }
+
+    /// Decodes a complete block and emits it re-encoded, split into frames the server accepts.
+    fn finish(&mut self, open: OpenBlock) -> Result<(), RewriteError> {
+        let mut fields = Vec::new();
+        self.decoder
+            .decode_with_cb(&open.fragment, |name, value| {
+                fields.push((name.into_owned(), value.into_owned()));
+            })
+            .map_err(|e| RewriteError::Hpack {
+                stream: open.stream,
+                reason: format!("{e:?}"),
+            })?;
+        let mut block = Vec::with_capacity(open.fragment.len() + 16);
+        for (name, value) in &fields {
+            let value: &[u8] = if name == b":authority" && !valid_authority(value) {
+                self.replaced += 1;
+                REPLACEMENT.as_bytes()
+            } else {
+                value
+            };
+            encode_never_indexed(&mut block, name, value);
+        }
+        let mut chunks = block.chunks(MAX_FRAME).peekable();
+        let mut kind = HEADERS;
+        let mut flags = if open.end_stream { END_STREAM } else { 0 };
+        // An empty block still needs its one HEADERS frame.
+        let first: &[u8] = &[];
+        let mut chunk = chunks.next().unwrap_or(first);
+        loop {
+            let last = chunks.peek().is_none();
+            if last {
+                flags |= END_HEADERS;
+            }
+            self.emit_frame(kind, flags, open.stream, chunk);
+            match chunks.next() {
+                Some(next) => chunk = next,
+                None => break,
+            }
+            kind = CONTINUATION;
+            flags = 0;
+        }
+        Ok(())
+    }
+
+    fn emit_frame(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let len = u32::try_from(payload.len()).expect("chunks are at most MAX_FRAME bytes");
+        self.out.extend(&len.to_be_bytes()[1..]);
+        self.out.push_back(kind);
+        self.out.push_back(flags);
+        self.out.extend(&(stream & 0x7fff_ffff).to_be_bytes());
+        self.out.extend(payload);
+    }
+}
+
+fn payload_len(frame: &[u8]) -> usize {
+    usize::from(frame[0]) << 16 | usize::from(frame[1]) << 8 | usize::from(frame[2])
+}
+
+fn stream_of(frame: &[u8]) -> u32 {
+    u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]) & 0x7fff_ffff
+}
+
+/// Whether the server's HTTP stack takes `value` as an authority.
+pub fn valid_authority(value: &[u8]) -> bool {
+    !value.is_empty() && http::uri::Authority::try_from(value).is_ok()
+}
+
+/// RFC 7541 6.2.3: literal header field never indexed, new name, no Huffman coding.
+fn encode_never_indexed(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.push(0x10);
+    encode_string(out, name);
+    encode_string(out, value);
+}
+
+fn encode_string(out: &mut Vec<u8>, s: &[u8]) {
+    encode_integer(out, 0x00, 7, s.len());
+    out.extend_from_slice(s);
+}
+
+/// RFC 7541 5.1: an integer with an `prefix_bits`-bit prefix, `first` holding the high bits.
+fn encode_integer(out: &mut Vec<u8>, first: u8, prefix_bits: u32, mut value: usize) {
+    let max = (1usize << prefix_bits) - 1;
+    if value < max {
+        out.push(first | u8::try_from(value).expect("below the prefix maximum"));
+        return;
+    }
+    out.push(first | u8::try_from(max).expect("a prefix of at most 7 bits"));
+    value -= max;
+    while value >= 128 {
+        out.push(u8::try_from(value % 128).expect("below 128") | 0x80);
+        value /= 128;
+    }
+    out.push(u8::try_from(value).expect("below 128"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = u32::try_from(payload.len()).unwrap().to_be_bytes()[1..].to_vec();
+        f.extend([kind, flags]);
+        f.extend(stream.to_be_bytes());
+        f.extend(payload);
+        f
+    }
+
+    /// RFC 7541 6.2.1, literal with incremental indexing, new name.
+    fn indexed_literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+        out.push(0x40);
+        encode_string(out, name);
+        encode_string(out, value);
+    }
+
+    /// A request's block as a C-core client sends it: fields added to the dynamic table.
+    fn request_block(authority: &[u8]) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.push(0x83); // :method POST (static 3)
+        b.push(0x86); // :scheme http (static 6)
+        indexed_literal(&mut b, b":path", b"/csi.v1.Identity/GetPluginInfo");
+        indexed_literal(&mut b, b":authority", authority);
+        indexed_literal(&mut b, b"content-type", b"application/grpc");
+        indexed_literal(&mut b, b"te", b"trailers");
+        b
+    }
+
+    /// The frames the rewriter emits, split back into (kind, flags, stream, payload).
+    fn frames(mut bytes: &[u8]) -> Vec<(u8, u8, u32, Vec<u8>)> {
+        let mut out = Vec::new();
+        while !bytes.is_empty() {
+            let len = payload_len(bytes);
+            out.push((
+                bytes[3],
+                bytes[4],
+                stream_of(bytes),
+                bytes[9..9 + len].to_vec(),
+            ));
+            bytes = &bytes[9 + len..];
+        }
+        out
+    }
+
+    fn run(input: &[u8], chunk: usize) -> Result<(Vec<u8>, u64), RewriteError> {
+        let mut r = Rewriter::new();
+        for piece in input.chunks(chunk) {
+            r.feed(piece)?;
+        }
+        let mut out = vec![0; input.len() * 2 + 64];
+        let n = r.read_into(&mut out);
+        out.truncate(n);
+        Ok((out, r.replaced()))
+    }
+
+    fn decode_all(decoder: &mut loona_hpack::Decoder<'_>, payload: &[u8]) -> Vec<(String, String)> {
+        decoder
+            .decode(payload)
+            .unwrap()
+            .into_iter()
+            .map(|(n, v)| (String::from_utf8(n).unwrap(), String::from_utf8(v).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn a_socket_path_authority_becomes_localhost_and_everything_else_passes_unchanged() {
+        let settings = frame(0x4, 0, 0, &[0, 3, 0, 0, 0, 100]);
+        let data = frame(0x0, END_STREAM, 1, &[0, 0, 0, 0, 0]);
+        // The second request refers to the first one's dynamic table entries (62.. = newest
+        // first: te, content-type, :authority, :path), as a real client's encoder does.
+        let second = [0x83, 0x86, 0xc1, 0xc0, 0xbf, 0xbe];
+        let mut input = PREFACE.to_vec();
+        input.extend(&settings);
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &request_block(b"/run/csi/csi.sock"),
+        ));
+        input.extend(&data);
+        input.extend(frame(HEADERS, END_HEADERS, 3, &second));
+        for chunk in [1, 7, 4096] {
+            let (out, replaced) = run(&input, chunk).unwrap();
+            assert_eq!(replaced, 2, "chunk {chunk}");
+            assert_eq!(&out[..24], PREFACE);
+            let got = frames(&out[24..]);
+            assert_eq!(got.len(), 4);
+            assert_eq!(frame(got[0].0, got[0].1, got[0].2, &got[0].3), settings);
+            assert_eq!(frame(got[2].0, got[2].1, got[2].2, &got[2].3), data);
+            // The server's decoder, fresh: it sees full requests, localhost for the path.
+            let mut server = loona_hpack::Decoder::new();
+            for (i, stream) in [(1, 1), (3, 3)] {
+                let (kind, flags, s, payload) = &got[i];
+                assert_eq!((*kind, *flags, *s), (HEADERS, END_HEADERS, stream));
+                assert_eq!(
+                    decode_all(&mut server, payload),
+                    [
+                        (":method", "POST"),
+                        (":scheme", "http"),
+                        (":path", "/csi.v1.Identity/GetPluginInfo"),
+                        (":authority", "localhost"),
+                        ("content-type", "application/grpc"),
+                        ("te", "trailers"),
+                    ]
+                    .map(|(n, v)| (n.to_owned(), v.to_owned()))
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_valid_authority_is_kept() {
+        for authority in [&b"localhost"[..], b"csi.sock", b"127.0.0.1:9000"] {
+            let mut input = PREFACE.to_vec();
+            input.extend(frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request_block(authority),
+            ));
+            let (out, replaced) = run(&input, 5).unwrap();
+            assert_eq!(replaced, 0);
+            let got = frames(&out[24..]);
+            assert_eq!((got[0].0, got[0].1), (HEADERS, END_HEADERS | END_STREAM));
+            let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3);
+            assert_eq!(fields[3].1.as_bytes(), authority);
+        }
+        for invalid in [
+            &b"/var/lib/kubelet/plugins/csi.sock"[..],
+            b"%2Frun%2Fcsi.sock",
+            b"",
+        ] {
+            assert!(!valid_authority(invalid), "{invalid:?}");
+        }
+    }
+
+    #[test]
+    fn padding_priority_and_continuations_are_followed() {
+        let block = request_block(b"/tmp/a.sock");
+        let (a, b) = block.split_at(10);
+        let mut headers = vec![3_u8]; // pad length
+        headers.extend([0, 0, 0, 0, 16]); // priority: dependency 0, weight 16
+        headers.extend(a);
+        headers.extend([0, 0, 0]);
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, PADDED | PRIORITY | END_STREAM, 5, &headers));
+        input.extend(frame(CONTINUATION, END_HEADERS, 5, b));
+        let (out, replaced) = run(&input, 3).unwrap();
+        assert_eq!(replaced, 1);
+        let got = frames(&out[24..]);
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            (got[0].0, got[0].1, got[0].2),
+            (HEADERS, END_STREAM | END_HEADERS, 5)
+        );
+        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3);
+        assert_eq!(fields[3], (":authority".into(), "localhost".into()));
+    }
+
+    #[test]
+    fn a_block_larger_than_a_frame_is_split_into_continuations() {
+        let mut block = request_block(b"/tmp/a.sock");
+        indexed_literal(&mut block, b"x-big", &vec![b'a'; 40_000]);
+        let mut input = PREFACE.to_vec();
+        // Sent as the client would: frames of at most 16 KiB.
+        let parts: Vec<&[u8]> = block.chunks(MAX_FRAME).collect();
+        for (i, part) in parts.iter().enumerate() {
+            let kind = if i == 0 { HEADERS } else { CONTINUATION };
+            let flags = if i + 1 == parts.len() { END_HEADERS } else { 0 };
+            input.extend(frame(kind, flags, 1, part));
+        }
+        let (out, _) = run(&input, 1000).unwrap();
+        let got = frames(&out[24..]);
+        assert!(got.len() >= 3);
+        assert!(got.iter().all(|f| f.3.len() <= MAX_FRAME && f.2 == 1));
+        assert_eq!(got[0].0, HEADERS);
+        assert!(got[1..].iter().all(|f| f.0 == CONTINUATION));
+        assert!(got[..got.len() - 1].iter().all(|f| f.1 & END_HEADERS == 0));
+        assert_eq!(got.last().unwrap().1, END_HEADERS);
+        let joined: Vec<u8> = got.iter().flat_map(|f| f.3.clone()).collect();
+        let fields = decode_all(&mut loona_hpack::Decoder::new(), &joined);
+        assert_eq!(fields[6].1.len(), 40_000);
+    }
+
+    #[test]
+    fn what_cannot_be_followed_is_an_error() {
+        let mut broken = PREFACE.to_vec();
+        broken.extend(frame(HEADERS, END_HEADERS, 1, &[0xff, 0xff, 0xff, 0xff])); // index overflow
+        assert!(matches!(
+            run(&broken, 64),
+            Err(RewriteError::Hpack { stream: 1, .. })
+        ));
+
+        let mut stray = PREFACE.to_vec();
+        stray.extend(frame(CONTINUATION, END_HEADERS, 1, &[0x83]));
+        assert!(matches!(
+            run(&stray, 64),
+            Err(RewriteError::StrayContinuation { stream: 1 })
+        ));
+
+        let mut interleaved = PREFACE.to_vec();
+        interleaved.extend(frame(HEADERS, 0, 1, &[0x83]));
+        interleaved.extend(frame(0x0, 0, 1, &[1, 2]));
+        assert!(matches!(
+            run(&interleaved, 64),
+            Err(RewriteError::Interleaved { .. })
+        ));
+
+        let mut padding = PREFACE.to_vec();
+        padding.extend(frame(HEADERS, PADDED | END_HEADERS, 1, &[9, 0x83]));
+        assert!(matches!(
+            run(&padding, 64),
+            Err(RewriteError::Padding { stream: 1 })
+        ));
+    }
+
+    #[test]
+    fn integers_follow_rfc_7541() {
+        // RFC 7541 C.1.1-C.1.3.
+        let mut out = Vec::new();
+        encode_integer(&mut out, 0, 5, 10);
+        assert_eq!(out, [0x0a]);
+        out.clear();
+        encode_integer(&mut out, 0, 5, 1337);
+        assert_eq!(out, [0x1f, 0x9a, 0x0a]);
+        out.clear();
+        encode_integer(&mut out, 0, 8, 42);
+        assert_eq!(out, [0x2a]);
+    }
+}
