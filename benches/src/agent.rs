@@ -157,6 +157,7 @@ impl Node {
                 volume_id: volume.to_owned(),
                 pool: POOL.into(),
                 size_bytes: 1 << 20,
+                source: None,
             })
             .await?;
         Ok(())

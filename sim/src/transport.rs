@@ -356,6 +356,20 @@ relay_all!(
         true
     ),
     (
+        create_snapshot,
+        api::CreateSnapshotRequest,
+        api::CreateSnapshotResponse,
+        "CreateSnapshot",
+        true
+    ),
+    (
+        delete_snapshot,
+        api::DeleteSnapshotRequest,
+        api::DeleteSnapshotResponse,
+        "DeleteSnapshot",
+        true
+    ),
+    (
         export,
         api::ExportRequest,
         api::ExportResponse,

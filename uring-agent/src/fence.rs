@@ -239,6 +239,14 @@ impl MarkStore {
         })
     }
 
+    /// Opens (creating) the snapshots' marks directory, `<state>/snapshot-generations/`:
+    /// apart from volumes', so a snapshot and a volume of the same ID never share a mark.
+    pub fn open_snapshots(state_dir: &std::path::Path) -> Result<Self, EngineError> {
+        Ok(Self {
+            dir: DurableDir::open(state_dir.join("snapshot-generations"))?,
+        })
+    }
+
     fn file_name(volume: &VolumeId) -> String {
         format!("{volume}.json")
     }

@@ -19,7 +19,7 @@ use pillar_nvmet::{HostNqn, VolumeId};
 use tonic::{Code, Request, Response, Status};
 use tracing::Instrument;
 
-use crate::backend::BackendError;
+use crate::backend::{BackendError, ContentSource};
 use crate::fence::{MarkError, Rejection, Token};
 use crate::hooks::Hooks;
 use crate::metrics::Metrics;
@@ -50,15 +50,17 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
             BackendError::InvalidSize { .. } | BackendError::UnsupportedName { .. } => {
                 R::UnsupportedByBackend
             }
-            BackendError::SizeUnsupported { .. } | BackendError::ShrinkRefused { .. } => {
-                R::SizeOutOfRange
-            }
+            BackendError::SizeUnsupported { .. }
+            | BackendError::ShrinkRefused { .. }
+            | BackendError::SmallerThanSource { .. } => R::SizeOutOfRange,
+            BackendError::SnapshotNotFound { .. } => R::SnapshotNotFound,
             BackendError::SizeMismatch { .. } => R::SizeMismatch,
             BackendError::NotFound { .. } => R::VolumeNotFound,
             BackendError::NotOwned { .. }
             | BackendError::Busy { .. }
             | BackendError::InvalidConfig { .. }
-            | BackendError::PoolMissing { .. } => R::BackendRefused,
+            | BackendError::PoolMissing { .. }
+            | BackendError::SnapshotsUnsupported { .. } => R::BackendRefused,
             _ => R::BackendFailed,
         },
         AgentError::Target(TargetError::NoNvmet { .. }) => R::NoNvmet,
@@ -66,6 +68,9 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
         AgentError::Target(_) => R::TargetFailed,
         AgentError::Verify(_) => R::ReadBackMismatch,
         AgentError::Task(_) => R::AgentFailed,
+        AgentError::SourceNotLive { .. } => R::SourceNotLive,
+        AgentError::SourceInUse { .. } => R::SourceInUse,
+        AgentError::UnmarkedSnapshot { .. } => R::BackendRefused,
     }
 }
 
@@ -101,6 +106,31 @@ fn token(t: Option<api::FencingToken>) -> Option<Token> {
 
 fn volume_id(raw: &str) -> Result<VolumeId, AgentError> {
     VolumeId::parse(raw).map_err(|e| invalid("volume_id", e.to_string()))
+}
+
+fn snapshot_id(field: &'static str, raw: &str) -> Result<VolumeId, AgentError> {
+    VolumeId::parse(raw).map_err(|e| invalid(field, e.to_string()))
+}
+
+/// The content source of a CreateVolume, with the lifecycle UID the caller recorded for it.
+fn content_source(
+    raw: Option<api::ContentSource>,
+) -> Result<Option<(ContentSource, String)>, AgentError> {
+    use api::content_source::Source;
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let source = match raw.source {
+        Some(Source::SnapshotId(id)) => {
+            ContentSource::Snapshot(snapshot_id("source.snapshot_id", &id)?)
+        }
+        Some(Source::VolumeId(id)) => ContentSource::Volume(snapshot_id("source.volume_id", &id)?),
+        None => return Err(invalid("source", "names neither a snapshot nor a volume")),
+    };
+    if raw.lifecycle_uid.is_empty() {
+        return Err(invalid("source.lifecycle_uid", "is required"));
+    }
+    Ok(Some((source, raw.lifecycle_uid)))
 }
 
 fn host_nqn(field: &'static str, raw: &str) -> Result<HostNqn, AgentError> {
@@ -276,15 +306,90 @@ impl api::agent_server::Agent for AgentService {
         self.call("CreateVolume", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let size = size(r.size_bytes)?;
+            let source = content_source(r.source)?;
             let info = to_the_end(self.agent.hooks(), async move {
-                agent
-                    .create_volume(token(r.token), &volume, &r.pool, size)
-                    .await
+                match source {
+                    None => {
+                        agent
+                            .create_volume(token(r.token), &volume, &r.pool, size)
+                            .await
+                    }
+                    Some((source, uid)) => {
+                        agent
+                            .create_volume_from(
+                                token(r.token),
+                                &volume,
+                                &r.pool,
+                                size,
+                                &source,
+                                &uid,
+                            )
+                            .await
+                    }
+                }
             })
             .await?;
             Ok(api::CreateVolumeResponse {
                 size_bytes: info.size_bytes,
             })
+        })
+        .await
+    }
+
+    async fn create_snapshot(
+        &self,
+        r: Request<api::CreateSnapshotRequest>,
+    ) -> Result<Response<api::CreateSnapshotResponse>, Status> {
+        let r = r.into_inner();
+        let agent = Arc::clone(&self.agent);
+        self.call("CreateSnapshot", &r.source_volume_id.clone(), async move {
+            let snapshot = snapshot_id("snapshot_id", &r.snapshot_id)?;
+            let source = snapshot_id("source_volume_id", &r.source_volume_id)?;
+            if r.source_lifecycle_uid.is_empty() {
+                return Err(invalid("source_lifecycle_uid", "is required"));
+            }
+            let info = to_the_end(self.agent.hooks(), async move {
+                agent
+                    .create_snapshot(
+                        token(r.token),
+                        &snapshot,
+                        &r.pool,
+                        &source,
+                        &r.source_lifecycle_uid,
+                    )
+                    .await
+            })
+            .await?;
+            let since = info
+                .created
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            Ok(api::CreateSnapshotResponse {
+                size_bytes: info.size_bytes,
+                creation_unix_seconds: i64::try_from(since.as_secs()).unwrap_or(i64::MAX),
+                creation_nanos: i32::try_from(since.subsec_nanos())
+                    .expect("sub-second nanoseconds fit in an i32"),
+                method: info.method.unwrap_or_default().to_owned(),
+            })
+        })
+        .await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        r: Request<api::DeleteSnapshotRequest>,
+    ) -> Result<Response<api::DeleteSnapshotResponse>, Status> {
+        let r = r.into_inner();
+        let agent = Arc::clone(&self.agent);
+        self.call("DeleteSnapshot", &r.snapshot_id.clone(), async move {
+            let snapshot = snapshot_id("snapshot_id", &r.snapshot_id)?;
+            to_the_end(self.agent.hooks(), async move {
+                agent
+                    .delete_snapshot(token(r.token), &snapshot, &r.pool)
+                    .await
+            })
+            .await?;
+            Ok(api::DeleteSnapshotResponse {})
         })
         .await
     }

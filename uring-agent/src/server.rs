@@ -130,6 +130,7 @@ pub async fn build_agent(
         EngineKind::Sync => Engine::Sync(SyncEngine::new()),
     });
     let marks = MarkStore::open(&config.state_dir)?;
+    let snapshot_marks = MarkStore::open_snapshots(&config.state_dir)?;
     let target = Target::open(
         &config.target,
         Arc::clone(&engine),
@@ -153,6 +154,7 @@ pub async fn build_agent(
     Ok(Arc::new(Agent::new(
         engine,
         marks,
+        snapshot_marks,
         target,
         pools,
         config.settings.clone(),

@@ -45,6 +45,8 @@ use crate::target::{IdentityRecord, Target, TargetError, TargetGuard, touches_sh
 /// chains and mark writes into shared submissions and group commits.
 const RESYNC_IN_FLIGHT: usize = 64;
 
+mod snapshot;
+
 /// Why an agent operation failed. Mapped to gRPC codes once, in `grpc`.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -84,6 +86,24 @@ pub enum AgentError {
     Verify(#[from] pillar_nvmet::VerifyError),
     #[error("the request's task failed (a panic, or the agent is shutting down)")]
     Task(#[source] tokio::task::JoinError),
+    #[error(
+        "{what} {id} is not the live lifecycle {uid:?} here (deleted, never made, or re-created)"
+    )]
+    SourceNotLive {
+        what: &'static str,
+        id: String,
+        uid: String,
+    },
+    #[error(
+        "volume {volume} is in use and pool {pool:?} cannot reflink: a copy of it would not be one \
+         point in time; retry once it is unpublished"
+    )]
+    SourceInUse { volume: String, pool: String },
+    #[error(
+        "snapshot {snapshot} exists in the pool but has no fencing mark (the agent's state was \
+         lost?); refusing to adopt it"
+    )]
+    UnmarkedSnapshot { snapshot: String },
 }
 
 /// Whether the agent serves exports yet.
@@ -174,9 +194,13 @@ pub struct AgentSettings {
 pub struct Agent {
     engine: Arc<Engine>,
     marks: MarkStore,
+    /// Snapshots' marks, apart from volumes' (a snapshot ID may equal a volume ID).
+    snapshot_marks: MarkStore,
     target: Target,
     pools: BTreeMap<String, Backend>,
     locks: LockById<VolumeId>,
+    /// Per-snapshot locks; taken after any volume lock of the same operation.
+    snapshot_locks: LockById<VolumeId>,
     readiness: RwLock<Readiness>,
     /// Exports the last resync could not restore, until an Export or Unexport of them succeeds.
     unrestored: std::sync::Mutex<BTreeSet<VolumeId>>,
@@ -199,6 +223,7 @@ impl Agent {
     pub fn new(
         engine: Arc<Engine>,
         marks: MarkStore,
+        snapshot_marks: MarkStore,
         target: Target,
         pools: BTreeMap<String, Backend>,
         settings: AgentSettings,
@@ -207,9 +232,11 @@ impl Agent {
         Self {
             engine,
             marks,
+            snapshot_marks,
             target,
             pools,
             locks: LockById::new(),
+            snapshot_locks: LockById::new(),
             readiness: RwLock::new(Readiness::WaitingForResync),
             unrestored: std::sync::Mutex::new(BTreeSet::new()),
             boot_id: uuid::Uuid::new_v4().to_string(),
@@ -277,7 +304,18 @@ impl Agent {
         token: Option<&Token>,
         intent: Intent,
     ) -> Result<Decision, AgentError> {
-        let mark = self.marks.read(volume)?;
+        self.check_in(&self.marks, volume, token, intent)
+    }
+
+    /// [`check`](Self::check) against the marks of `marks` (volumes' or snapshots').
+    fn check_in(
+        &self,
+        marks: &MarkStore,
+        volume: &VolumeId,
+        token: Option<&Token>,
+        intent: Intent,
+    ) -> Result<Decision, AgentError> {
+        let mark = marks.read(volume)?;
         decide(volume, mark.as_ref(), token, intent).map_err(|rejection| {
             self.metrics.fence_rejected(rejection.reason());
             tracing::warn!(%volume, reason = rejection.reason(), "fencing rejected a request: {rejection}");
@@ -287,6 +325,16 @@ impl Agent {
 
     /// Makes the mark a [`check`](Self::check) decided durable, before the change runs.
     async fn commit(&self, volume: &VolumeId, decision: Decision) -> Result<(), AgentError> {
+        self.commit_in(&self.marks, volume, decision).await
+    }
+
+    /// [`commit`](Self::commit) into `marks`.
+    async fn commit_in(
+        &self,
+        marks: &MarkStore,
+        volume: &VolumeId,
+        decision: Decision,
+    ) -> Result<(), AgentError> {
         self.settings
             .hooks
             .pass(HookPoint::BetweenCheckAndCommit)
@@ -301,7 +349,7 @@ impl Agent {
                 }
                 .into());
             }
-            self.marks.write(&self.engine, volume, &next).await?;
+            marks.write(&self.engine, volume, &next).await?;
         }
         Ok(())
     }

@@ -114,12 +114,15 @@ pub fn agent_code(status: &Status) -> Code {
         // The controller always sends a token: a request without one is a controller bug.
         R::NoToken => Code::Internal,
         R::InvalidRequest | R::UnsupportedByBackend => Code::InvalidArgument,
-        R::UnknownPool | R::VolumeNotFound => Code::NotFound,
+        R::UnknownPool | R::VolumeNotFound | R::SnapshotNotFound => Code::NotFound,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
         R::WaitingForResync | R::NoNvmet => Code::Unavailable,
-        R::NotExported | R::StillExported | R::NoSafePlan | R::BackendRefused => {
-            Code::FailedPrecondition
-        }
+        R::NotExported
+        | R::StillExported
+        | R::NoSafePlan
+        | R::BackendRefused
+        | R::SourceNotLive
+        | R::SourceInUse => Code::FailedPrecondition,
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
         R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {

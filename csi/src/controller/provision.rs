@@ -160,6 +160,7 @@ impl Controller {
                         volume_id: name.clone(),
                         pool: state.spec.pool.clone(),
                         size_bytes: state.spec.size_bytes,
+                        source: None,
                     };
                     async move { c.create_volume(r).await }
                 },

@@ -45,6 +45,7 @@ async fn create(agent: &mut AgentClient<Channel>, volume: &str) {
             volume_id: volume.into(),
             pool: POOL.into(),
             size_bytes: MIB,
+            source: None,
         })
         .await
         .unwrap_or_else(|e| panic!("CreateVolume {volume}: {e}"));

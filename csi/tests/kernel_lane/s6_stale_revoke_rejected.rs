@@ -59,6 +59,7 @@ async fn s6_stale_revoke_rejected() {
             volume_id: vol.into(),
             pool: POOL.into(),
             size_bytes: 64 * MIB,
+            source: None,
         })
         .await
         .expect("CreateVolume");

@@ -409,6 +409,7 @@ async fn s8_lvm_backends() {
                 volume_id: (*vol).into(),
                 pool: (*pool).into(),
                 size_bytes: asked,
+                source: None,
             })
             .await
             .expect("CreateVolume")
@@ -442,6 +443,7 @@ async fn s8_lvm_backends() {
                 volume_id: (*vol).into(),
                 pool: (*pool).into(),
                 size_bytes: asked,
+                source: None,
             })
             .await
             .expect("CreateVolume retried")
@@ -453,6 +455,7 @@ async fn s8_lvm_backends() {
                 volume_id: (*vol).into(),
                 pool: (*pool).into(),
                 size_bytes: 64 * MIB,
+                source: None,
             })
             .await
             .expect_err("CreateVolume of an existing volume with another size");
@@ -497,6 +500,7 @@ async fn s8_lvm_backends() {
                 volume_id: vol.into(),
                 pool: pool.into(),
                 size_bytes: 8 * MIB,
+                source: None,
             })
             .await
             .expect_err("CreateVolume over a foreign LV");

@@ -30,7 +30,7 @@ pub fn code_of(reason: ErrorReason) -> Code {
     match reason {
         R::Unspecified => Code::Unknown,
         R::InvalidRequest | R::UnsupportedByBackend => Code::InvalidArgument,
-        R::UnknownPool | R::VolumeNotFound => Code::NotFound,
+        R::UnknownPool | R::VolumeNotFound | R::SnapshotNotFound => Code::NotFound,
         R::NoToken
         | R::StaleGeneration
         | R::ForeignOwner
@@ -39,7 +39,9 @@ pub fn code_of(reason: ErrorReason) -> Code {
         | R::NotExported
         | R::StillExported
         | R::NoSafePlan
-        | R::BackendRefused => Code::FailedPrecondition,
+        | R::BackendRefused
+        | R::SourceNotLive
+        | R::SourceInUse => Code::FailedPrecondition,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
         R::WaitingForResync | R::NoNvmet => Code::Unavailable,
         R::SizeMismatch => Code::AlreadyExists,

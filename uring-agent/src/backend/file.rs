@@ -33,7 +33,10 @@ use std::time::Duration;
 use pillar_nvmet::VolumeId;
 
 use super::loopdev::{self, Binding, Detach};
-use super::{BackendError, Capacity, MIB, VolumeInfo, checked_size, round_up};
+use super::{
+    BackendError, Capacity, ContentSource, MIB, SnapshotInfo, VolumeInfo, checked_size, copy,
+    round_up,
+};
 
 /// File name extension of backing files.
 pub const EXTENSION: &str = "img";
@@ -173,6 +176,56 @@ impl FileBackend {
 
     pub async fn list(&self) -> Result<Vec<VolumeInfo>, BackendError> {
         self.blocking(Inner::list).await
+    }
+
+    /// Whether the pool's file system clones files by reflink (probed each time: a pool
+    /// directory can be remounted).
+    pub async fn reflinks(&self) -> Result<bool, BackendError> {
+        self.blocking(|inner| Ok(copy::reflink_supported(&inner.dir)?))
+            .await
+    }
+
+    pub async fn create_snapshot(
+        &self,
+        source: &VolumeId,
+        snapshot: &VolumeId,
+    ) -> Result<SnapshotInfo, BackendError> {
+        let (source, snapshot) = (source.clone(), snapshot.clone());
+        self.blocking(move |inner| {
+            copy::cut_snapshot(&inner.dir, &source, &inner.backing_file(&source), &snapshot)
+        })
+        .await
+    }
+
+    pub async fn lookup_snapshot(
+        &self,
+        snapshot: &VolumeId,
+    ) -> Result<Option<SnapshotInfo>, BackendError> {
+        let snapshot = snapshot.clone();
+        self.blocking(move |inner| copy::find_snapshot(&inner.dir, &snapshot))
+            .await
+    }
+
+    pub async fn delete_snapshot(&self, snapshot: &VolumeId) -> Result<(), BackendError> {
+        let snapshot = snapshot.clone();
+        self.blocking(move |inner| copy::remove_snapshot(&inner.dir, &snapshot))
+            .await
+    }
+
+    /// Fills the backing file from `source`, then attaches it as [`create`](Self::create) does.
+    pub async fn create_from(
+        &self,
+        volume: &VolumeId,
+        size_bytes: u64,
+        source: &ContentSource,
+    ) -> Result<VolumeInfo, BackendError> {
+        let size = checked_size(size_bytes, Self::GRANULARITY)?;
+        let (v, source) = (volume.clone(), source.clone());
+        self.blocking(move |inner| {
+            copy::fill_from(&inner.dir, &v, &inner.backing_file(&v), size, &source)
+        })
+        .await?;
+        self.create(volume, size).await
     }
 
     /// Checks that loop devices can be made (`/dev/loop-control` opens read-write) and

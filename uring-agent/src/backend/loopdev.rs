@@ -1,7 +1,7 @@
 //! Loop devices through the kernel's own interface: `/dev/loop-control`, the `LOOP_*` ioctls of
 //! `include/uapi/linux/loop.h` and the `/sys/block/loopN` attributes. No `losetup`.
 //!
-//! This is the only module of the backend with `unsafe` code: four ioctl calls, each on a file
+//! With [`copy`](super::copy), the only module of the backend with `unsafe` code: four ioctl calls, each on a file
 //! descriptor this module opened and still owns, each with an argument whose layout is checked
 //! against the kernel's at compile time.
 //!

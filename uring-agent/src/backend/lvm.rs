@@ -19,7 +19,10 @@ use pillar_nvmet::VolumeId;
 use serde::Deserialize;
 
 use super::command::CommandRunner;
-use super::{BackendError, Capacity, VolumeInfo, checked_size, round_up, wait_for_device};
+use super::{
+    BackendError, Capacity, ContentSource, SnapshotInfo, VolumeInfo, checked_size, round_up,
+    wait_for_device,
+};
 
 /// The program run for every LVM operation (`lvm <subcommand> ...`).
 pub const LVM: &str = "lvm";
@@ -124,6 +127,57 @@ impl LvRow {
 }
 
 impl LvmBackend {
+    /// Whether this pool takes snapshots and clones.
+    pub fn snapshots_supported(&self) -> Result<(), BackendError> {
+        Err(self.no_snapshots())
+    }
+
+    fn no_snapshots(&self) -> BackendError {
+        let reason = if self.thin_pool.is_some() {
+            // Thin snapshots (independent of their origin in dm-thin) are the plan; not built.
+            "snapshots of lvm-thin pools are not built yet"
+        } else {
+            // A snapshot of a linear LV is a dm-snapshot with a copy-on-write area sized in
+            // advance: once the origin's changes fill it the snapshot becomes invalid, and every
+            // write to the origin pays a copy. pillar offers no snapshot that can vanish.
+            "a snapshot of a linear LV needs a preallocated copy-on-write area and becomes \
+             invalid when it fills; use an lvm-thin pool for snapshots"
+        };
+        BackendError::SnapshotsUnsupported {
+            pool: self.pool.clone(),
+            backend: self.kind_name(),
+            reason,
+        }
+    }
+
+    pub async fn create_snapshot(
+        &self,
+        _source: &VolumeId,
+        _snapshot: &VolumeId,
+    ) -> Result<SnapshotInfo, BackendError> {
+        Err(self.no_snapshots())
+    }
+
+    pub async fn lookup_snapshot(
+        &self,
+        _snapshot: &VolumeId,
+    ) -> Result<Option<SnapshotInfo>, BackendError> {
+        Ok(None)
+    }
+
+    pub async fn delete_snapshot(&self, _snapshot: &VolumeId) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    pub async fn create_from(
+        &self,
+        _volume: &VolumeId,
+        _size_bytes: u64,
+        _source: &ContentSource,
+    ) -> Result<VolumeInfo, BackendError> {
+        Err(self.no_snapshots())
+    }
+
     /// A backend for volume group `vg`, with thin volumes in `thin_pool` if given.
     pub fn new(
         pool: &str,

@@ -27,6 +27,7 @@
 //! never bind two loop devices to one file.
 
 pub mod command;
+pub mod copy;
 pub mod file;
 pub mod loopdev;
 pub mod lvm;
@@ -85,6 +86,36 @@ pub struct VolumeInfo {
     /// The block device to export. For the file backend this is `/dev/loopN`, and N may
     /// change when the loop device is re-bound (after a reboot).
     pub device_path: PathBuf,
+}
+
+/// A snapshot as a backend holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    pub snapshot: VolumeId,
+    /// The source volume's size when the snapshot was cut: what a restore needs at least.
+    pub size_bytes: u64,
+    /// When it was cut (stable across retries).
+    pub created: std::time::SystemTime,
+    /// How this call made it (`reflink`, `sparse-copy`, ...); `None` when it already existed.
+    pub method: Option<&'static str>,
+}
+
+/// Where a new volume's content comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentSource {
+    /// A snapshot of the same pool.
+    Snapshot(VolumeId),
+    /// A volume of the same pool (a clone).
+    Volume(VolumeId),
+}
+
+impl ContentSource {
+    /// The snapshot or volume ID.
+    pub fn id(&self) -> &VolumeId {
+        match self {
+            Self::Snapshot(id) | Self::Volume(id) => id,
+        }
+    }
 }
 
 /// Size and free space of a pool.
@@ -173,6 +204,22 @@ pub enum BackendError {
     PoolMissing { pool: String, what: String },
     #[error("device {path} did not appear within {waited:?}")]
     DeviceMissing { path: PathBuf, waited: Duration },
+    #[error("pool {pool:?} ({backend}) takes no snapshots or clones: {reason}")]
+    SnapshotsUnsupported {
+        pool: String,
+        backend: &'static str,
+        reason: &'static str,
+    },
+    #[error("snapshot {snapshot} does not exist")]
+    SnapshotNotFound { snapshot: VolumeId },
+    #[error("volume {volume} of {requested} bytes cannot hold its source of {source_bytes} bytes")]
+    SmallerThanSource {
+        volume: VolumeId,
+        source_bytes: u64,
+        requested: u64,
+    },
+    #[error("copying for a snapshot or clone")]
+    Copy(#[from] copy::CopyError),
     #[error("a blocking task of the file backend was cancelled")]
     Cancelled(#[source] tokio::task::JoinError),
 }
@@ -308,6 +355,72 @@ impl Backend {
             Self::Lvm(b) => b.list().await,
             Self::Zfs(b) => b.list().await,
             Self::PlainFile(b) => b.list().await,
+        }
+    }
+
+    /// Whether a snapshot or clone of a volume being written is one point in time (the
+    /// backend's snapshot is atomic); `Err` when the pool takes no snapshots at all.
+    pub async fn snapshots_are_point_in_time(&self) -> Result<bool, BackendError> {
+        match self {
+            Self::File(b) => b.reflinks().await,
+            Self::PlainFile(b) => b.reflinks().await,
+            Self::Lvm(b) => b.snapshots_supported().map(|()| true),
+            Self::Zfs(b) => b.snapshots_supported().map(|()| true),
+        }
+    }
+
+    /// Cuts `snapshot` of `source`, or returns it if it exists (of whatever source: the
+    /// caller's fencing names one lifecycle per snapshot ID).
+    pub async fn create_snapshot(
+        &self,
+        source: &VolumeId,
+        snapshot: &VolumeId,
+    ) -> Result<SnapshotInfo, BackendError> {
+        match self {
+            Self::File(b) => b.create_snapshot(source, snapshot).await,
+            Self::PlainFile(b) => b.create_snapshot(source, snapshot).await,
+            Self::Lvm(b) => b.create_snapshot(source, snapshot).await,
+            Self::Zfs(b) => b.create_snapshot(source, snapshot).await,
+        }
+    }
+
+    /// The snapshot, or `None`.
+    pub async fn lookup_snapshot(
+        &self,
+        snapshot: &VolumeId,
+    ) -> Result<Option<SnapshotInfo>, BackendError> {
+        match self {
+            Self::File(b) => b.lookup_snapshot(snapshot).await,
+            Self::PlainFile(b) => b.lookup_snapshot(snapshot).await,
+            Self::Lvm(b) => b.lookup_snapshot(snapshot).await,
+            Self::Zfs(b) => b.lookup_snapshot(snapshot).await,
+        }
+    }
+
+    /// Removes `snapshot`; `Ok` if it does not exist.
+    pub async fn delete_snapshot(&self, snapshot: &VolumeId) -> Result<(), BackendError> {
+        match self {
+            Self::File(b) => b.delete_snapshot(snapshot).await,
+            Self::PlainFile(b) => b.delete_snapshot(snapshot).await,
+            Self::Lvm(b) => b.delete_snapshot(snapshot).await,
+            Self::Zfs(b) => b.delete_snapshot(snapshot).await,
+        }
+    }
+
+    /// Creates `volume` holding `source`'s content, at least `size_bytes` (grown past the
+    /// source's size; smaller than the source is [`BackendError::SmallerThanSource`]), or
+    /// returns it if it exists with that size.
+    pub async fn create_from(
+        &self,
+        volume: &VolumeId,
+        size_bytes: u64,
+        source: &ContentSource,
+    ) -> Result<VolumeInfo, BackendError> {
+        match self {
+            Self::File(b) => b.create_from(volume, size_bytes, source).await,
+            Self::PlainFile(b) => b.create_from(volume, size_bytes, source).await,
+            Self::Lvm(b) => b.create_from(volume, size_bytes, source).await,
+            Self::Zfs(b) => b.create_from(volume, size_bytes, source).await,
         }
     }
 

@@ -17,7 +17,10 @@ use std::path::{Path, PathBuf};
 
 use pillar_nvmet::VolumeId;
 
-use super::{BackendError, Capacity, MIB, VolumeInfo, checked_size, round_up};
+use super::{
+    BackendError, Capacity, ContentSource, MIB, SnapshotInfo, VolumeInfo, checked_size, copy,
+    round_up,
+};
 
 /// Sparse files exported directly.
 #[derive(Debug, Clone)]
@@ -80,6 +83,51 @@ impl PlainFileBackend {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io_err("stat the volume file", &path)(e)),
         }
+    }
+
+    /// Whether the directory's file system clones files by reflink.
+    pub async fn reflinks(&self) -> Result<bool, BackendError> {
+        self.blocking(|me| Ok(copy::reflink_supported(&me.dir)?))
+            .await
+    }
+
+    pub async fn create_snapshot(
+        &self,
+        source: &VolumeId,
+        snapshot: &VolumeId,
+    ) -> Result<SnapshotInfo, BackendError> {
+        let (source, snapshot) = (source.clone(), snapshot.clone());
+        self.blocking(move |me| copy::cut_snapshot(&me.dir, &source, &me.path(&source), &snapshot))
+            .await
+    }
+
+    pub async fn lookup_snapshot(
+        &self,
+        snapshot: &VolumeId,
+    ) -> Result<Option<SnapshotInfo>, BackendError> {
+        let snapshot = snapshot.clone();
+        self.blocking(move |me| copy::find_snapshot(&me.dir, &snapshot))
+            .await
+    }
+
+    pub async fn delete_snapshot(&self, snapshot: &VolumeId) -> Result<(), BackendError> {
+        let snapshot = snapshot.clone();
+        self.blocking(move |me| copy::remove_snapshot(&me.dir, &snapshot))
+            .await
+    }
+
+    /// Fills the volume file from `source`, then [`create`](Self::create).
+    pub async fn create_from(
+        &self,
+        volume: &VolumeId,
+        size_bytes: u64,
+        source: &ContentSource,
+    ) -> Result<VolumeInfo, BackendError> {
+        let size = checked_size(size_bytes, MIB)?;
+        let (v, source) = (volume.clone(), source.clone());
+        self.blocking(move |me| copy::fill_from(&me.dir, &v, &me.path(&v), size, &source))
+            .await?;
+        self.create(volume, size).await
     }
 
     /// Creates `volume` or returns it when it exists with that (rounded) size.

@@ -276,6 +276,7 @@ pub fn create_req(uid: &str, generation: u64, volume: &str, size: u64) -> api::C
         volume_id: volume.into(),
         pool: "p1".into(),
         size_bytes: size,
+        source: None,
     }
 }
 

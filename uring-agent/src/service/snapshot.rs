@@ -1,0 +1,176 @@
+//! Snapshots, restores and clones at the agent.
+//!
+//! Invariants:
+//! - A snapshot has a lifecycle of its own: its own token (the PillarSnapshotState's UID and
+//!   generation), checked and made durable in the snapshots' marks before anything changes on
+//!   the node (F5, F7 as for volumes), and ended by DeleteSnapshot.
+//! - A source is used only as the live lifecycle the caller recorded: its mark exists, names
+//!   that UID and has not ended. A delayed request cannot snapshot or copy a re-created volume
+//!   or snapshot of the same ID. The source is checked under its lock, which is held until the
+//!   copy is done, so the source cannot be deleted, granted or restored meanwhile.
+//! - Lock order: volume locks (by ID) before snapshot locks, so no two operations wait on each
+//!   other in a cycle.
+//! - A backend whose snapshot is a copy (a file pool without reflink) copies a volume only while
+//!   no host can write it (its namespace disabled: no host admitted, W7). The volume lock held
+//!   across the check and the copy keeps a grant out until the copy is done.
+
+use pillar_nvmet::VolumeId;
+
+use super::{Agent, AgentError, VolumeSize};
+use crate::backend::{ContentSource, SnapshotInfo, VolumeInfo};
+use crate::fence::{Intent, MarkStore, Token};
+
+impl Agent {
+    /// Cuts `snapshot` of `source` (lifecycle `source_uid`) in `pool`. Idempotent.
+    pub async fn create_snapshot(
+        &self,
+        token: Option<Token>,
+        snapshot: &VolumeId,
+        pool: &str,
+        source: &VolumeId,
+        source_uid: &str,
+    ) -> Result<SnapshotInfo, AgentError> {
+        let backend = self.pool(pool)?;
+        let point_in_time = backend.snapshots_are_point_in_time().await?;
+        let _source = self.lock_volume(source).await;
+        let _snapshot = self.snapshot_locks.lock(snapshot.clone()).await;
+        let decision = self.check_in(
+            &self.snapshot_marks,
+            snapshot,
+            token.as_ref(),
+            Intent::Create,
+        )?;
+        if backend.lookup_snapshot(snapshot).await?.is_some() {
+            match self.snapshot_marks.read(snapshot)? {
+                // This lifecycle's retry: its mark was written before the cut.
+                Some(mark) if token.as_ref().is_some_and(|t| t.uid == mark.owner_uid) => {
+                    return Ok(backend.create_snapshot(source, snapshot).await?);
+                }
+                // Left by a delete interrupted after its mark ended the old lifecycle: that
+                // lifecycle is over, so its content goes before the new one is cut.
+                Some(mark) if mark.ended => backend.delete_snapshot(snapshot).await?,
+                _ => {
+                    return Err(AgentError::UnmarkedSnapshot {
+                        snapshot: snapshot.to_string(),
+                    });
+                }
+            }
+        }
+        live(&self.marks, "volume", source, source_uid)?;
+        if !point_in_time {
+            self.refuse_copy_in_use(source, pool).await?;
+        }
+        self.commit_in(&self.snapshot_marks, snapshot, decision)
+            .await?;
+        Ok(backend.create_snapshot(source, snapshot).await?)
+    }
+
+    /// Ends `snapshot`'s lifecycle and removes it. Idempotent.
+    pub async fn delete_snapshot(
+        &self,
+        token: Option<Token>,
+        snapshot: &VolumeId,
+        pool: &str,
+    ) -> Result<(), AgentError> {
+        let backend = self.pool(pool)?;
+        let _snapshot = self.snapshot_locks.lock(snapshot.clone()).await;
+        let decision = self.check_in(
+            &self.snapshot_marks,
+            snapshot,
+            token.as_ref(),
+            Intent::Delete,
+        )?;
+        self.commit_in(&self.snapshot_marks, snapshot, decision)
+            .await?;
+        Ok(backend.delete_snapshot(snapshot).await?)
+    }
+
+    /// Creates `volume` with the content of `source` (lifecycle `source_uid`), at least
+    /// `size`. Idempotent.
+    pub async fn create_volume_from(
+        &self,
+        token: Option<Token>,
+        volume: &VolumeId,
+        pool: &str,
+        size: VolumeSize,
+        source: &ContentSource,
+        source_uid: &str,
+    ) -> Result<VolumeInfo, AgentError> {
+        let backend = self.pool(pool)?;
+        if let ContentSource::Volume(id) = source
+            && id == volume
+        {
+            return Err(AgentError::InvalidArgument {
+                field: "source.volume_id",
+                reason: "a volume cannot be cloned into itself".into(),
+            });
+        }
+        let point_in_time = backend.snapshots_are_point_in_time().await?;
+        // Volume locks in ID order, then the snapshot's.
+        let (_first, _second, _snapshot) = match source {
+            ContentSource::Volume(id) => {
+                let (a, b) = if id < volume {
+                    (id, volume)
+                } else {
+                    (volume, id)
+                };
+                let first = self.lock_volume(a).await;
+                (first, Some(self.lock_volume(b).await), None)
+            }
+            ContentSource::Snapshot(id) => {
+                let first = self.lock_volume(volume).await;
+                (
+                    first,
+                    None,
+                    Some(self.snapshot_locks.lock(id.clone()).await),
+                )
+            }
+        };
+        let decision = self.check(volume, token.as_ref(), Intent::Create)?;
+        if backend.lookup(volume).await?.is_none() {
+            match source {
+                ContentSource::Snapshot(id) => {
+                    live(&self.snapshot_marks, "snapshot", id, source_uid)?
+                }
+                ContentSource::Volume(id) => {
+                    live(&self.marks, "volume", id, source_uid)?;
+                    if !point_in_time {
+                        self.refuse_copy_in_use(id, pool).await?;
+                    }
+                }
+            }
+        }
+        self.commit(volume, decision).await?;
+        Ok(backend.create_from(volume, size.bytes(), source).await?)
+    }
+
+    /// Refuses when any namespace of `volume` is enabled: a host may be writing it.
+    async fn refuse_copy_in_use(&self, volume: &VolumeId, pool: &str) -> Result<(), AgentError> {
+        let nqn = volume.subsystem_nqn();
+        let guard = self.target.shared().await;
+        let state = self.target.read_back(&guard, nqn.as_str()).await?;
+        let in_use = state
+            .subsystems
+            .get(nqn.as_str())
+            .is_some_and(|s| s.namespaces.values().any(|ns| ns.enabled));
+        if in_use {
+            return Err(AgentError::SourceInUse {
+                volume: volume.to_string(),
+                pool: pool.to_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Checks that `id`'s mark in `marks` is the live lifecycle `uid`.
+fn live(marks: &MarkStore, what: &'static str, id: &VolumeId, uid: &str) -> Result<(), AgentError> {
+    match marks.read(id)? {
+        Some(mark) if mark.owner_uid == uid && !mark.ended && !uid.is_empty() => Ok(()),
+        _ => Err(AgentError::SourceNotLive {
+            what,
+            id: id.to_string(),
+            uid: uid.to_owned(),
+        }),
+    }
+}
