@@ -19,8 +19,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use pillar_state::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
-    PillarVolumeStateSpec, PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
+    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
+    PillarVolumeStateStatus,
 };
 use pillar_state::{PillarObject, Revision, StateStore, StoreError, VolumeEvent};
 
@@ -30,6 +31,7 @@ use crate::chaos::{Chaos, Fault};
 struct Objects {
     last_rv: u64,
     volumes: BTreeMap<String, PillarVolumeState>,
+    snapshots: BTreeMap<String, PillarSnapshotState>,
     agents: BTreeMap<String, PillarAgent>,
     protocols: BTreeMap<String, PillarProtocol>,
 }
@@ -198,6 +200,36 @@ impl StateStore for SimStore {
         let o = &mut *self.objects();
         delete(&mut o.volumes, &mut o.last_rv, name, expected)
     }
+    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError> {
+        Ok(self.objects().snapshots.get(name).cloned())
+    }
+    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError> {
+        Ok(self.objects().snapshots.values().cloned().collect())
+    }
+    async fn create_snapshot(
+        &self,
+        name: &str,
+        spec: PillarSnapshotStateSpec,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        let uid = self.chaos.uuid();
+        let o = &mut *self.objects();
+        create(&mut o.snapshots, &mut o.last_rv, uid, name, spec)
+    }
+    async fn replace_snapshot_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarSnapshotStateStatus,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        let o = &mut *self.objects();
+        replace(&mut o.snapshots, &mut o.last_rv, name, expected, |v| {
+            v.status = Some(status);
+        })
+    }
+    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        let o = &mut *self.objects();
+        delete(&mut o.snapshots, &mut o.last_rv, name, expected)
+    }
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {
         Ok(self.objects().agents.get(name).cloned())
     }
@@ -354,6 +386,34 @@ impl StateStore for ReplicaStore {
     async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.before_write("delete", name, expected).await?;
         self.inner.delete_volume(name, expected).await
+    }
+    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError> {
+        self.inner.get_snapshot(name).await
+    }
+    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError> {
+        self.inner.list_snapshots().await
+    }
+    async fn create_snapshot(
+        &self,
+        name: &str,
+        spec: PillarSnapshotStateSpec,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.inner.create_snapshot(name, spec).await
+    }
+    async fn replace_snapshot_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarSnapshotStateStatus,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.before_write("snapshot status write", name, expected)
+            .await?;
+        self.inner
+            .replace_snapshot_status(name, expected, status)
+            .await
+    }
+    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        self.inner.delete_snapshot(name, expected).await
     }
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {
         self.inner.get_agent(name).await

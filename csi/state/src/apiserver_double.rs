@@ -125,10 +125,15 @@ struct KindInfo {
     has_status: bool,
 }
 
-const KINDS: [KindInfo; 3] = [
+const KINDS: [KindInfo; 4] = [
     KindInfo {
         plural: "pillarvolumestates",
         kind: "PillarVolumeState",
+        has_status: true,
+    },
+    KindInfo {
+        plural: "pillarsnapshotstates",
+        kind: "PillarSnapshotState",
         has_status: true,
     },
     KindInfo {

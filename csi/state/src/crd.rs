@@ -1,9 +1,10 @@
-//! The three custom resources pillar keeps in the Kubernetes API (or, in single-machine mode, in
-//! the [`EmbeddedStore`](crate::embedded::EmbeddedStore)): `PillarVolumeState`, `PillarAgent` and
-//! `PillarProtocol`, all cluster-scoped in the group `pillar-csi.io`, version `v1alpha1`.
+//! The four custom resources pillar keeps in the Kubernetes API (or, in single-machine mode, in
+//! the [`EmbeddedStore`](crate::embedded::EmbeddedStore)): `PillarVolumeState`,
+//! `PillarSnapshotState`, `PillarAgent` and `PillarProtocol`, all cluster-scoped in the group
+//! `pillar-csi.io`, version `v1alpha1`.
 //!
 //! Short names are chosen not to clash with core Kubernetes ones (`pv`, `pvc`, `po`, `no`, `ns`,
-//! `sc`, ...): `pillarvol`, `pillaragent`, `pillarproto`.
+//! `sc`, ...): `pillarvol`, `pillarsnap`, `pillaragent`, `pillarproto`.
 
 use std::collections::BTreeMap;
 
@@ -181,6 +182,78 @@ impl PillarVolumeState {
     }
 }
 
+// The object's `metadata.uid` names one lifecycle of the snapshot ID, as for volumes: the
+// agent's snapshot mark is fenced by it and the status generation (F2, F3 for snapshots).
+/// A snapshot: its source, where it lives, and whether it is cut.
+// clippy reads repeated `type_ = ".."` inside separate `printcolumn(..)` groups as duplicates.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "pillar-csi.io",
+    version = "v1alpha1",
+    kind = "PillarSnapshotState",
+    plural = "pillarsnapshotstates",
+    shortname = "pillarsnap",
+    status = "PillarSnapshotStateStatus",
+    derive = "PartialEq",
+    doc = "One pillar snapshot: its source volume, where it lives, and whether it is ready",
+    printcolumn(name = "Source", type_ = "string", json_path = ".spec.sourceVolumeId"),
+    printcolumn(name = "Agent", type_ = "string", json_path = ".spec.agent"),
+    printcolumn(name = "Ready", type_ = "boolean", json_path = ".status.readyToUse"),
+    printcolumn(name = "Size", type_ = "integer", json_path = ".status.sizeBytes"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PillarSnapshotStateSpec {
+    /// The CSI snapshot ID (the object's name).
+    pub snapshot_id: String,
+    /// The CSI volume ID of the source volume.
+    pub source_volume_id: String,
+    /// The source volume's lifecycle when the snapshot was asked for (its
+    /// PillarVolumeState's metadata.uid): the agent cuts only that lifecycle.
+    pub source_uid: String,
+    /// Name of the `PillarAgent` holding the snapshot (the source's).
+    pub agent: String,
+    /// Pool on that agent (the source's).
+    pub pool: String,
+}
+
+/// The status subresource of a `PillarSnapshotState`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PillarSnapshotStateStatus {
+    // F2: with metadata.uid this is the snapshot's fencing token.
+    /// Counter the controller increments by compare-and-swap for each agent call; with the
+    /// object's UID it is the fencing token.
+    #[serde(default)]
+    pub generation: u64,
+    /// The agent confirmed the cut.
+    #[serde(default)]
+    pub ready_to_use: bool,
+    /// The source's size at the cut: the least a restore takes.
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// When the snapshot was cut (seconds and nanoseconds since the epoch), as the agent says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub creation_unix_seconds: Option<i64>,
+    #[serde(default)]
+    pub creation_nanos: i32,
+    /// A DeleteSnapshot has started: no restore may use it from then on.
+    #[serde(default)]
+    pub deleting: bool,
+}
+
+impl PillarSnapshotState {
+    /// The status, or the empty status when none was ever written.
+    pub fn status_or_default(&self) -> PillarSnapshotStateStatus {
+        self.status.clone().unwrap_or_default()
+    }
+}
+
 /// One storage node's agent.
 // clippy reads repeated `type_ = ".."` inside separate `printcolumn(..)` groups as duplicates.
 #[allow(clippy::duplicated_attributes)]
@@ -353,6 +426,7 @@ pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
     let mut out = String::new();
     for crd in [
         PillarVolumeState::crd(),
+        PillarSnapshotState::crd(),
         PillarAgent::crd(),
         PillarProtocol::crd(),
     ] {

@@ -41,8 +41,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use tokio::sync::Mutex;
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
-    PillarVolumeStateSpec, PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
+    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
+    PillarVolumeStateStatus,
 };
 use crate::store::{PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name};
 
@@ -304,13 +305,14 @@ impl EmbeddedStore {
 fn kind_dir(plural: &'static str) -> &'static str {
     match plural {
         "pillarvolumestates" => "volumes",
+        "pillarsnapshotstates" => "snapshots",
         "pillaragents" => "agents",
         "pillarprotocols" => "protocols",
         other => other,
     }
 }
 
-const KIND_DIRS: [&str; 3] = ["volumes", "agents", "protocols"];
+const KIND_DIRS: [&str; 4] = ["volumes", "snapshots", "agents", "protocols"];
 
 impl Dir {
     fn open(root: PathBuf) -> Result<Self, StoreError> {
@@ -673,6 +675,34 @@ impl StateStore for EmbeddedStore {
     }
     async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.delete::<PillarVolumeState>(name, expected).await
+    }
+
+    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError> {
+        self.get(name).await
+    }
+    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError> {
+        self.list().await
+    }
+    async fn create_snapshot(
+        &self,
+        name: &str,
+        spec: PillarSnapshotStateSpec,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.create::<PillarSnapshotState>(name, spec).await
+    }
+    async fn replace_snapshot_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarSnapshotStateStatus,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.replace(name, expected, move |v: &mut PillarSnapshotState| {
+            v.status = Some(status);
+        })
+        .await
+    }
+    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        self.delete::<PillarSnapshotState>(name, expected).await
     }
 
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {

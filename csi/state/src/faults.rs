@@ -15,8 +15,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use async_trait::async_trait;
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
-    PillarVolumeStateSpec, PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
+    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
+    PillarVolumeStateStatus,
 };
 use crate::store::{Revision, StateStore, StoreError, VolumeEvent};
 
@@ -219,6 +220,32 @@ impl StateStore for FaultyStore {
         let result = self.inner.delete_volume(name, expected).await;
         self.observe(VolumeWrite::Delete, &result);
         result
+    }
+    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError> {
+        self.inner.get_snapshot(name).await
+    }
+    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError> {
+        self.inner.list_snapshots().await
+    }
+    async fn create_snapshot(
+        &self,
+        name: &str,
+        spec: PillarSnapshotStateSpec,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.inner.create_snapshot(name, spec).await
+    }
+    async fn replace_snapshot_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarSnapshotStateStatus,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.inner
+            .replace_snapshot_status(name, expected, status)
+            .await
+    }
+    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        self.inner.delete_snapshot(name, expected).await
     }
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {
         self.inner.get_agent(name).await

@@ -28,8 +28,9 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::core::Status;
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
-    PillarVolumeStateSpec, PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
+    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
+    PillarVolumeStateStatus,
 };
 use crate::store::{PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name};
 
@@ -253,6 +254,32 @@ impl KubeStore {
         Ok(created)
     }
 
+    /// Replaces the status subresource of `name` if it is still `expected`.
+    async fn replace_status<K: PillarObject>(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: &(impl serde::Serialize + Sync),
+    ) -> Result<K, StoreError> {
+        validate_name(K::KIND, name)?;
+        // Status-only body: the status strategy ignores everything but `status`, and the UID in
+        // metadata is a precondition.
+        let body = serde_json::json!({
+            "apiVersion": crate::crd::API_VERSION,
+            "kind": K::KIND,
+            "metadata": {
+                "name": name,
+                "uid": expected.uid,
+                "resourceVersion": expected.resource_version,
+            },
+            "status": status,
+        });
+        self.api::<K>()
+            .replace_subresource("status", name, &PostParams::default(), &body)
+            .await
+            .map_err(|e| Self::map_err::<K>(Verb::ReplaceStatus, name, Some(expected), e))
+    }
+
     async fn replace_spec<K: PillarObject>(
         &self,
         name: &str,
@@ -324,24 +351,8 @@ impl StateStore for KubeStore {
         expected: &Revision,
         status: PillarVolumeStateStatus,
     ) -> Result<PillarVolumeState, StoreError> {
-        type K = PillarVolumeState;
-        validate_name(K::KIND, name)?;
-        // Status-only body: the status strategy ignores everything but `status`, and the UID in
-        // metadata is a precondition.
-        let body = serde_json::json!({
-            "apiVersion": crate::crd::API_VERSION,
-            "kind": K::KIND,
-            "metadata": {
-                "name": name,
-                "uid": expected.uid,
-                "resourceVersion": expected.resource_version,
-            },
-            "status": status,
-        });
-        self.api::<K>()
-            .replace_subresource("status", name, &PostParams::default(), &body)
+        self.replace_status::<PillarVolumeState>(name, expected, &status)
             .await
-            .map_err(|e| Self::map_err::<K>(Verb::ReplaceStatus, name, Some(expected), e))
     }
     async fn replace_volume_spec(
         &self,
@@ -354,6 +365,32 @@ impl StateStore for KubeStore {
     }
     async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.delete::<PillarVolumeState>(name, expected).await
+    }
+
+    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError> {
+        self.get(name).await
+    }
+    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError> {
+        self.list().await
+    }
+    async fn create_snapshot(
+        &self,
+        name: &str,
+        spec: PillarSnapshotStateSpec,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.create::<PillarSnapshotState>(name, spec).await
+    }
+    async fn replace_snapshot_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarSnapshotStateStatus,
+    ) -> Result<PillarSnapshotState, StoreError> {
+        self.replace_status::<PillarSnapshotState>(name, expected, &status)
+            .await
+    }
+    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        self.delete::<PillarSnapshotState>(name, expected).await
     }
 
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {

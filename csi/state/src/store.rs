@@ -19,8 +19,9 @@ use kube::Resource;
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarVolumeState,
-    PillarVolumeStateSpec, PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
+    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
+    PillarVolumeStateStatus,
 };
 
 /// The object a compare-and-swap expects to find: one lifecycle (UID) at one resourceVersion.
@@ -255,6 +256,27 @@ pub trait StateStore: Send + Sync + Debug {
     /// Deletes the volume record if it is still `expected`.
     async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
 
+    /// One snapshot, or `None`.
+    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError>;
+    /// Every snapshot, ordered by name.
+    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError>;
+    /// Creates a snapshot record with no status. [`StoreError::AlreadyExists`] if the name is
+    /// taken.
+    async fn create_snapshot(
+        &self,
+        name: &str,
+        spec: PillarSnapshotStateSpec,
+    ) -> Result<PillarSnapshotState, StoreError>;
+    /// Replaces a snapshot's status if it is still `expected`; the spec is untouched.
+    async fn replace_snapshot_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarSnapshotStateStatus,
+    ) -> Result<PillarSnapshotState, StoreError>;
+    /// Deletes a snapshot record if it is still `expected`.
+    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
+
     /// One agent, or `None`.
     async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError>;
     /// Every agent, ordered by name.
@@ -334,6 +356,22 @@ impl PillarObject for PillarVolumeState {
     const PLURAL: &'static str = "pillarvolumestates";
     const HAS_STATUS: bool = true;
     type Spec = PillarVolumeStateSpec;
+    fn build(name: &str, spec: Self::Spec) -> Self {
+        Self::new(name, spec)
+    }
+    fn spec(&self) -> &Self::Spec {
+        &self.spec
+    }
+    fn set_spec(&mut self, spec: Self::Spec) {
+        self.spec = spec;
+    }
+}
+
+impl PillarObject for PillarSnapshotState {
+    const KIND: &'static str = "PillarSnapshotState";
+    const PLURAL: &'static str = "pillarsnapshotstates";
+    const HAS_STATUS: bool = true;
+    type Spec = PillarSnapshotStateSpec;
     fn build(name: &str, spec: Self::Spec) -> Self {
         Self::new(name, spec)
     }

@@ -359,6 +359,64 @@ async fn agents_and_protocols_are_compare_and_swap(store: &dyn StateStore) {
     assert_eq!(store.get_protocol("p").await.unwrap(), None);
 }
 
+// proves F3 for snapshot records: status written by compare-and-swap pinned to the snapshot's
+// own lifecycle; a re-created snapshot of the same name is another lifecycle
+async fn snapshots_are_compare_and_swap_records_with_their_own_lifecycle(store: &dyn StateStore) {
+    let spec = crate::crd::PillarSnapshotStateSpec {
+        snapshot_id: "snap-a".into(),
+        source_volume_id: "vol-a".into(),
+        source_uid: "uid-of-vol-a".into(),
+        agent: "agent-1".into(),
+        pool: "pool-1".into(),
+    };
+    let s = store.create_snapshot("snap-a", spec.clone()).await.unwrap();
+    assert_eq!(s.status, None);
+    let err = store
+        .create_snapshot("snap-a", spec.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::AlreadyExists { .. }), "{err:?}");
+    let rev = Revision::of(&s).unwrap();
+    let ready = crate::crd::PillarSnapshotStateStatus {
+        generation: 1,
+        ready_to_use: true,
+        size_bytes: 1 << 20,
+        creation_unix_seconds: Some(1_700_000_000),
+        creation_nanos: 5,
+        deleting: false,
+    };
+    let s2 = store
+        .replace_snapshot_status("snap-a", &rev, ready.clone())
+        .await
+        .unwrap();
+    assert_eq!(s2.status.as_ref(), Some(&ready));
+    assert_eq!(s2.spec, spec);
+    let err = store
+        .replace_snapshot_status("snap-a", &rev, ready.clone())
+        .await
+        .unwrap_err();
+    assert!(err.is_conflict(), "{err:?}");
+    assert_eq!(store.list_snapshots().await.unwrap(), vec![s2.clone()]);
+    store
+        .delete_snapshot("snap-a", &Revision::of(&s2).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(store.get_snapshot("snap-a").await.unwrap(), None);
+    // A new lifecycle of the name: the old revision's UID no longer matches.
+    let again = store.create_snapshot("snap-a", spec).await.unwrap();
+    assert_ne!(again.metadata.uid, s.metadata.uid);
+    let err = store
+        .replace_snapshot_status("snap-a", &Revision::of(&s2).unwrap(), ready)
+        .await
+        .unwrap_err();
+    assert!(err.is_lifecycle_gone() || err.is_conflict(), "{err:?}");
+    // Snapshots and volumes are different records: the same name in each.
+    store
+        .create_volume("snap-a", volume_spec("snap-a"))
+        .await
+        .unwrap();
+}
+
 async fn invalid_names_are_refused(store: &dyn StateStore) {
     for name in ["", "Vol", "../etc", "a/b", ".hidden"] {
         let err = store
@@ -431,6 +489,7 @@ contract!(
     no_op_write_keeps_resource_version,
     spec_write_bumps_generation_and_keeps_status,
     agents_and_protocols_are_compare_and_swap,
+    snapshots_are_compare_and_swap_records_with_their_own_lifecycle,
     invalid_names_are_refused,
     generation_increments_are_sequential,
 );

@@ -30,6 +30,11 @@ fn crds_are_cluster_scoped_with_safe_short_names() {
     ];
     for (crd, plural, short) in [
         (PillarVolumeState::crd(), "pillarvolumestates", "pillarvol"),
+        (
+            crate::crd::PillarSnapshotState::crd(),
+            "pillarsnapshotstates",
+            "pillarsnap",
+        ),
         (PillarAgent::crd(), "pillaragents", "pillaragent"),
         (PillarProtocol::crd(), "pillarprotocols", "pillarproto"),
     ] {
