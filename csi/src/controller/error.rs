@@ -61,6 +61,18 @@ pub enum ControllerError {
     LifecycleGone { volume: String },
     #[error("volume {volume}: too many concurrent updates; retry")]
     Contention { volume: String },
+    #[error("snapshot {0} does not exist")]
+    SnapshotNotFound(String),
+    #[error("snapshot {0} already exists with source volume {1}")]
+    SnapshotExists(String, String),
+    #[error("snapshot {0} is being deleted")]
+    SnapshotDeleting(String),
+    #[error("snapshot {0} is not ready to use yet; retry")]
+    SnapshotNotReady(String),
+    #[error(
+        "PillarAgent {agent:?} of snapshot {snapshot} does not exist; refusing to act without the storage node"
+    )]
+    SnapshotAgentMissing { snapshot: String, agent: String },
     #[error("starting_token {0:?} is not one this controller issued")]
     BadStartingToken(String),
     #[error("{0}")]
@@ -82,8 +94,12 @@ pub fn code_of(err: &ControllerError) -> Code {
     use ControllerError as E;
     match err {
         E::InvalidArgument(_) | E::Capability(_) => Code::InvalidArgument,
-        E::VolumeNotFound(_) | E::NodeNotFound(..) => Code::NotFound,
-        E::AlreadyExists(..) | E::PublishedDifferently { .. } => Code::AlreadyExists,
+        E::VolumeNotFound(_) | E::NodeNotFound(..) | E::SnapshotNotFound(_) => Code::NotFound,
+        E::AlreadyExists(..) | E::PublishedDifferently { .. } | E::SnapshotExists(..) => {
+            Code::AlreadyExists
+        }
+        E::SnapshotDeleting(_) | E::SnapshotNotReady(_) => Code::Aborted,
+        E::SnapshotAgentMissing { .. } => Code::FailedPrecondition,
         E::PublishedElsewhere { .. }
         | E::StillPublished { .. }
         | E::AgentMissing { .. }

@@ -4,7 +4,8 @@
 //! - `request`: each CSI request parsed once into typed values (INVALID_ARGUMENT decided there);
 //! - `record`: the one compare-and-swap loop every write to a PillarVolumeState goes through;
 //! - `publish`: the publish table ([`decide_publication`]), publish and unpublish;
-//! - `provision`: create, delete, expand; `read`: validate, list, get, capacity;
+//! - `provision`: create (empty, or restored or cloned from a source), delete, expand;
+//!   `snapshot`: a snapshot's lifecycle; `read`: validate, list, get, capacity;
 //! - `agent`: reaching a volume's agent; `resync`: bringing a restarted agent back;
 //! - `condition`: status conditions (`AclDisabled`) set inside the writes they describe, and
 //!   best-effort Kubernetes Events on their transitions;
@@ -38,6 +39,7 @@ mod record;
 mod request;
 mod resync;
 mod service;
+mod snapshot;
 
 use std::sync::Arc;
 

@@ -13,14 +13,17 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use pillar_agent_api::v1 as agent_api;
-use pillar_state::crd::{PillarAgent, PillarProtocol, PillarVolumeState, PillarVolumeStateSpec};
+use pillar_state::crd::{
+    ContentSourceKind, ContentSourceRef, PillarAgent, PillarProtocol, PillarVolumeState,
+    PillarVolumeStateSpec,
+};
 use pillar_state::store::StoreError;
 use tonic::Status;
 
 use super::agent::{VolumeAgent, export_request};
 use super::error::ControllerError;
 use super::record::{Write, always, not_deleting, token};
-use super::request::{self, Create, VolumeRef};
+use super::request::{self, Create, Source, VolumeRef};
 use super::{Controller, params};
 use crate::{context, csi};
 
@@ -99,9 +102,20 @@ impl Controller {
             if v.status_or_default().deleting {
                 return Err(ControllerError::Deleting { volume: name });
             }
+            let same_source = match (&req.source, &v.spec.content_source) {
+                (None, None) => true,
+                (Some(Source::Snapshot(VolumeRef::Pillar(id))), Some(s)) => {
+                    s.kind == ContentSourceKind::Snapshot && s.id == id.as_str()
+                }
+                (Some(Source::Volume(VolumeRef::Pillar(id))), Some(s)) => {
+                    s.kind == ContentSourceKind::Volume && s.id == id.as_str()
+                }
+                _ => false,
+            };
             if v.spec.access_mode != mode
                 || v.spec.volume_mode != volume_mode
                 || !req.size.fits(v.spec.size_bytes)
+                || !same_source
             {
                 let what = format!(
                     "{:?}/{:?} with {} bytes",
@@ -111,13 +125,21 @@ impl Controller {
             }
             return Ok(v);
         }
-        let (agent, pool) = self.pick_agent(&req.parameters).await?;
+        let (agent, pool, size, content_source) = match &req.source {
+            None => {
+                let (agent, pool) = self.pick_agent(&req.parameters).await?;
+                let agent = agent.metadata.name.clone().unwrap_or_default();
+                (agent, pool, req.size.size(), None)
+            }
+            Some(source) => self.source_placement(req, source).await?,
+        };
         let protocol = self.pick_protocol(&req.parameters).await?;
         let spec = PillarVolumeStateSpec {
+            content_source,
             volume_id: name.clone(),
-            agent: agent.metadata.name.clone().unwrap_or_default(),
+            agent,
             pool,
-            size_bytes: req.size.size(),
+            size_bytes: size,
             access_mode: mode,
             volume_mode,
             protocol: protocol.metadata.name.clone().unwrap_or_default(),
@@ -135,6 +157,69 @@ impl Controller {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Where a restore or clone goes and how large it is: its source's agent and pool (a copy
+    /// stays in its source's pool), at least its source's size (smaller is OUT_OF_RANGE).
+    async fn source_placement(
+        &self,
+        req: &Create,
+        source: &Source,
+    ) -> Result<(String, String, u64, Option<ContentSourceRef>), ControllerError> {
+        let (kind, id, uid, agent, pool, source_bytes) = match source {
+            Source::Snapshot(id) => {
+                let s = self.restorable_snapshot(id.clone()).await?;
+                let bytes = s.status_or_default().size_bytes;
+                let uid = s.metadata.uid.clone().unwrap_or_default();
+                (
+                    ContentSourceKind::Snapshot,
+                    s.spec.snapshot_id,
+                    uid,
+                    s.spec.agent,
+                    s.spec.pool,
+                    bytes,
+                )
+            }
+            Source::Volume(id) => {
+                let id = id.clone().existing()?.to_string();
+                let v = self
+                    .store
+                    .get_volume(&id)
+                    .await?
+                    .ok_or_else(|| ControllerError::VolumeNotFound(id.clone()))?;
+                if v.status_or_default().deleting {
+                    return Err(ControllerError::Deleting { volume: id });
+                }
+                let uid = v.metadata.uid.clone().unwrap_or_default();
+                (
+                    ContentSourceKind::Volume,
+                    id,
+                    uid,
+                    v.spec.agent,
+                    v.spec.pool,
+                    v.spec.size_bytes,
+                )
+            }
+        };
+        for (param, wanted) in [(params::AGENT, &agent), (params::POOL, &pool)] {
+            if let Some(named) = req.parameters.get(param)
+                && named != wanted
+            {
+                return Err(ControllerError::InvalidArgument(format!(
+                    "{param} is {named:?}, but a restore or clone is made where its source \
+                     {id} lives ({wanted:?})"
+                )));
+            }
+        }
+        let size = req.size.required.max(source_bytes);
+        if req.size.required != 0 && req.size.required < source_bytes
+            || req.size.limit != 0 && req.size.limit < source_bytes
+        {
+            return Err(ControllerError::OutOfRange(format!(
+                "{id} holds {source_bytes} bytes; the volume's capacity range cannot hold it"
+            )));
+        }
+        Ok((agent, pool, size, Some(ContentSourceRef { kind, id, uid })))
     }
 
     /// CreateVolume: record, backing device, export.
@@ -160,7 +245,7 @@ impl Controller {
                         volume_id: name.clone(),
                         pool: state.spec.pool.clone(),
                         size_bytes: state.spec.size_bytes,
-                        source: None,
+                        source: state.spec.content_source.as_ref().map(agent_source),
                     };
                     async move { c.create_volume(r).await }
                 },
@@ -181,7 +266,7 @@ impl Controller {
                 volume_context: [(context::NQN.to_owned(), exported.subsystem_nqn)]
                     .into_iter()
                     .collect(),
-                content_source: None,
+                content_source: state.spec.content_source.as_ref().map(csi_source),
                 accessible_topology: Vec::new(),
             }),
         })
@@ -330,6 +415,33 @@ impl Controller {
             node_expansion_required: state.spec.volume_mode
                 == pillar_state::crd::VolumeMode::Filesystem,
         })
+    }
+}
+
+/// The agent's view of a recorded content source.
+fn agent_source(s: &ContentSourceRef) -> agent_api::ContentSource {
+    use agent_api::content_source::Source as S;
+    agent_api::ContentSource {
+        source: Some(match s.kind {
+            ContentSourceKind::Snapshot => S::SnapshotId(s.id.clone()),
+            ContentSourceKind::Volume => S::VolumeId(s.id.clone()),
+        }),
+        lifecycle_uid: s.uid.clone(),
+    }
+}
+
+/// The CSI view of a recorded content source.
+pub(super) fn csi_source(s: &ContentSourceRef) -> csi::VolumeContentSource {
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    csi::VolumeContentSource {
+        r#type: Some(match s.kind {
+            ContentSourceKind::Snapshot => Type::Snapshot(SnapshotSource {
+                snapshot_id: s.id.clone(),
+            }),
+            ContentSourceKind::Volume => Type::Volume(VolumeSource {
+                volume_id: s.id.clone(),
+            }),
+        }),
     }
 }
 

@@ -16,7 +16,11 @@ fn csi_volume(v: &PillarVolumeState) -> csi::Volume {
         capacity_bytes: i64::try_from(v.spec.size_bytes).unwrap_or(i64::MAX),
         volume_id: v.spec.volume_id.clone(),
         volume_context: HashMap::new(),
-        content_source: None,
+        content_source: v
+            .spec
+            .content_source
+            .as_ref()
+            .map(super::provision::csi_source),
         accessible_topology: Vec::new(),
     }
 }

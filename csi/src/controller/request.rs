@@ -130,6 +130,15 @@ impl SizeRange {
     }
 }
 
+/// What a new volume's content comes from, as the request names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A snapshot ID (pillar's, or one that names no snapshot).
+    Snapshot(VolumeRef),
+    /// A volume ID (a clone).
+    Volume(VolumeRef),
+}
+
 /// CreateVolume.
 #[derive(Clone, Debug)]
 pub struct Create {
@@ -137,22 +146,53 @@ pub struct Create {
     pub capability: Capability,
     pub size: SizeRange,
     pub parameters: HashMap<String, String>,
+    pub source: Option<Source>,
 }
 
 pub fn create(req: csi::CreateVolumeRequest) -> Result<Create, ControllerError> {
+    use csi::volume_content_source::Type;
     let volume = volume_id_for_name(&req.name)?;
     let capability = capability::parse_all(&req.volume_capabilities)?;
-    if req.volume_content_source.is_some() {
-        return Err(invalid(
-            "volume content sources (snapshots, clones) are not supported",
-        ));
-    }
+    let source = match req.volume_content_source.map(|s| s.r#type) {
+        None => None,
+        Some(Some(Type::Snapshot(s))) => Some(Source::Snapshot(snapshot_ref(&s.snapshot_id)?)),
+        Some(Some(Type::Volume(v))) => Some(Source::Volume(volume_ref(&v.volume_id)?)),
+        Some(None) => return Err(invalid("volume_content_source names no snapshot or volume")),
+    };
     Ok(Create {
         volume,
         capability,
         size: SizeRange::parse(req.capacity_range.as_ref())?,
         parameters: req.parameters,
+        source,
     })
+}
+
+/// A required snapshot ID: snapshot IDs follow the volume IDs' rules (pillar issues them with
+/// [`volume_id_for_name`] from the CreateSnapshot name), in a space of their own.
+pub fn snapshot_ref(id: &str) -> Result<VolumeRef, ControllerError> {
+    if id.is_empty() {
+        return Err(invalid("snapshot ID is required"));
+    }
+    Ok(pillar_volume_id(id).map_or_else(|| VolumeRef::Unknown(id.to_owned()), VolumeRef::Pillar))
+}
+
+/// CreateSnapshot: the snapshot ID for the name, and the source volume.
+pub fn create_snapshot(
+    req: &csi::CreateSnapshotRequest,
+) -> Result<(VolumeId, VolumeRef), ControllerError> {
+    if req.source_volume_id.is_empty() {
+        return Err(invalid("source_volume_id is required"));
+    }
+    Ok((
+        volume_id_for_name(&req.name)?,
+        volume_ref(&req.source_volume_id)?,
+    ))
+}
+
+/// ListSnapshots' page: the start index and the most entries (0: all).
+pub fn list_snapshots(req: &csi::ListSnapshotsRequest) -> Result<(usize, usize), ControllerError> {
+    page(&req.starting_token, req.max_entries)
 }
 
 /// ControllerPublishVolume.
@@ -259,15 +299,19 @@ pub fn get(req: &csi::ControllerGetVolumeRequest) -> Result<VolumeRef, Controlle
 
 /// ListVolumes paging: where to start and how many entries at most (0: all).
 pub fn list(req: &csi::ListVolumesRequest) -> Result<(usize, usize), ControllerError> {
-    let start = if req.starting_token.is_empty() {
+    page(&req.starting_token, req.max_entries)
+}
+
+fn page(starting_token: &str, max_entries: i32) -> Result<(usize, usize), ControllerError> {
+    let start = if starting_token.is_empty() {
         0
     } else {
-        req.starting_token
+        starting_token
             .parse::<usize>()
-            .map_err(|_| ControllerError::BadStartingToken(req.starting_token.clone()))?
+            .map_err(|_| ControllerError::BadStartingToken(starting_token.to_owned()))?
     };
-    let max = usize::try_from(req.max_entries)
-        .map_err(|_| invalid("max_entries must not be negative"))?;
+    let max =
+        usize::try_from(max_entries).map_err(|_| invalid("max_entries must not be negative"))?;
     Ok((start, max))
 }
 

@@ -134,6 +134,10 @@ impl csi::controller_server::Controller for ControllerService {
                 Type::SingleNodeMultiWriter,
                 // ControllerPublishVolume honours `readonly` (N5: the node stages read-only).
                 Type::PublishReadonly,
+                Type::CreateDeleteSnapshot,
+                Type::ListSnapshots,
+                Type::GetSnapshot,
+                Type::CloneVolume,
             ]
             .into_iter()
             .map(cap)
@@ -142,27 +146,50 @@ impl csi::controller_server::Controller for ControllerService {
     }
     async fn create_snapshot(
         &self,
-        _: Request<csi::CreateSnapshotRequest>,
+        r: Request<csi::CreateSnapshotRequest>,
     ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported"))
+        let r = r.into_inner();
+        respond(
+            "CreateSnapshot",
+            &r.source_volume_id.clone(),
+            self.inner.create_snapshot(r),
+        )
+        .await
     }
     async fn delete_snapshot(
         &self,
-        _: Request<csi::DeleteSnapshotRequest>,
+        r: Request<csi::DeleteSnapshotRequest>,
     ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported"))
+        let r = r.into_inner();
+        respond(
+            "DeleteSnapshot",
+            &r.snapshot_id.clone(),
+            self.inner.delete_snapshot(r),
+        )
+        .await
     }
     async fn list_snapshots(
         &self,
-        _: Request<csi::ListSnapshotsRequest>,
+        r: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported"))
+        respond(
+            "ListSnapshots",
+            "",
+            self.inner.list_snapshots(r.into_inner()),
+        )
+        .await
     }
     async fn get_snapshot(
         &self,
-        _: Request<csi::GetSnapshotRequest>,
+        r: Request<csi::GetSnapshotRequest>,
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported"))
+        let r = r.into_inner();
+        respond(
+            "GetSnapshot",
+            &r.snapshot_id.clone(),
+            self.inner.get_snapshot(r),
+        )
+        .await
     }
     async fn controller_expand_volume(
         &self,

@@ -82,6 +82,29 @@ pub struct PillarVolumeStateSpec {
     /// StorageClass parameters the volume was created with.
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+    /// The snapshot or volume the volume's content was copied from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<ContentSourceRef>,
+}
+
+/// Where a volume's first content came from: a snapshot (a restore) or a volume (a clone).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContentSourceRef {
+    /// Snapshot or volume.
+    pub kind: ContentSourceKind,
+    /// The CSI snapshot or volume ID.
+    pub id: String,
+    /// The source's lifecycle (its record's metadata.uid) when the volume was asked for: the
+    /// agent copies only that lifecycle.
+    pub uid: String,
+}
+
+/// The kind of a content source.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum ContentSourceKind {
+    Snapshot,
+    Volume,
 }
 
 // W3: RWX is rejected at provisioning, so no record can carry it.

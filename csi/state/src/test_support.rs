@@ -12,6 +12,7 @@ use crate::{EmbeddedStore, KubeStore, StateStore};
 
 pub(crate) fn volume_spec(id: &str) -> PillarVolumeStateSpec {
     PillarVolumeStateSpec {
+        content_source: None,
         volume_id: id.to_owned(),
         agent: "storage-1".into(),
         pool: "pool-a".into(),
