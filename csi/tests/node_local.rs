@@ -15,8 +15,8 @@ use std::os::unix::fs::FileExt;
 use node_support::*;
 use pillar_csi::context;
 use pillar_csi::csi::volume_capability::AccessType;
-use pillar_csi::csi::volume_capability::MountVolume;
 use pillar_csi::csi::volume_capability::access_mode::Mode;
+use pillar_csi::csi::volume_capability::{BlockVolume, MountVolume};
 use pillar_csi::csi::volume_usage::Unit;
 use tonic::Code;
 
@@ -219,6 +219,58 @@ async fn block_publish_binds_the_device() {
     h.unpublish(vol, &target).await.unwrap();
     h.unstage(vol, &staging).await.unwrap();
     assert!(h.record(vol).is_none());
+}
+
+// SINGLE_NODE_SINGLE_WRITER (RWOP) means one workload: a second target on the same node is
+// FAILED_PRECONDITION, for filesystem and block volumes, until the first is unpublished; the
+// same target again is idempotent. SINGLE_NODE_WRITER allows several targets (shown above).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_single_writer_volume_is_published_at_one_target_at_a_time() {
+    let rwop_fs = || {
+        cap(
+            Mode::SingleNodeSingleWriter,
+            AccessType::Mount(MountVolume {
+                fs_type: "ext4".into(),
+                ..Default::default()
+            }),
+        )
+    };
+    let rwop_block = || {
+        cap(
+            Mode::SingleNodeSingleWriter,
+            AccessType::Block(BlockVolume {}),
+        )
+    };
+    for (vol, block) in [("pvc-rwop-fs", false), ("pvc-rwop-block", true)] {
+        let lo = LoopDevice::new(SIZE);
+        let h = Harness::local().await;
+        let c = if block { rwop_block } else { rwop_fs };
+        let (staging, _gs) = h.path("staging");
+        let (first, _g1) = h.path(if block {
+            "pods/a/dev/volume"
+        } else {
+            "pods/a/volume"
+        });
+        let (second, _g2) = h.path(if block {
+            "pods/b/dev/volume"
+        } else {
+            "pods/b/volume"
+        });
+        h.stage(vol, &staging, c(), local_ctx(vol, &lo.dev))
+            .await
+            .unwrap();
+        h.publish(vol, &staging, &first, c(), false).await.unwrap();
+        h.publish(vol, &staging, &first, c(), false).await.unwrap();
+        assert_code(
+            h.publish(vol, &staging, &second, c(), false).await,
+            Code::FailedPrecondition,
+        );
+        assert!(mount_at(&second).is_none());
+        h.unpublish(vol, &first).await.unwrap();
+        h.publish(vol, &staging, &second, c(), false).await.unwrap();
+        h.unpublish(vol, &second).await.unwrap();
+        h.unstage(vol, &staging).await.unwrap();
+    }
 }
 
 // Unstage never pulls a device from under a publication: it is FAILED_PRECONDITION while the

@@ -127,6 +127,29 @@ pub fn read(path: &Path) -> Result<Vec<MountEntry>, HostError> {
     parse(&text)
 }
 
+/// The mount points showing the same directory of the same filesystem as `like` (its binds),
+/// `like` itself included.
+pub fn binds_of<'a>(
+    entries: &'a [MountEntry],
+    like: &'a MountEntry,
+) -> impl Iterator<Item = &'a Path> + 'a {
+    entries
+        .iter()
+        .filter(move |e| (e.major, e.minor) == (like.major, like.minor) && e.root == like.root)
+        .map(|e| e.mount_point.as_path())
+}
+
+/// The mount points a device file `/dev/<name>` is bind-mounted on (block publications).
+pub fn device_binds<'a>(
+    entries: &'a [MountEntry],
+    name: &'a str,
+) -> impl Iterator<Item = &'a Path> + 'a {
+    entries
+        .iter()
+        .filter(move |e| e.fs_type == "devtmpfs" && e.root == Path::new("/").join(name))
+        .map(|e| e.mount_point.as_path())
+}
+
 /// The topmost mount at exactly `mount_point` (already canonical), if any.
 pub fn find<'a>(entries: &'a [MountEntry], mount_point: &Path) -> Option<&'a MountEntry> {
     entries.iter().rev().find(|e| e.mount_point == mount_point)
@@ -135,6 +158,26 @@ pub fn find<'a>(entries: &'a [MountEntry], mount_point: &Path) -> Option<&'a Mou
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn binds_of_a_filesystem_and_of_a_device_are_found() {
+        let table = parse(
+            "\
+22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+30 22 259:0 / /stage/v1 rw,relatime - ext4 /dev/nvme0n1 rw
+31 22 259:0 / /pods/a/mount rw,relatime - ext4 /dev/nvme0n1 rw
+32 22 259:0 /lost+found /elsewhere rw,relatime - ext4 /dev/nvme0n1 rw
+33 22 0:5 /nvme1n1 /pods/b/dev rw,nosuid - devtmpfs udev rw
+34 22 0:5 /nvme1n1p1 /pods/c/dev rw,nosuid - devtmpfs udev rw
+",
+        )
+        .unwrap();
+        let stage = find(&table, Path::new("/stage/v1")).unwrap();
+        let binds: Vec<&Path> = binds_of(&table, stage).collect();
+        assert_eq!(binds, [Path::new("/stage/v1"), Path::new("/pods/a/mount")]);
+        let devs: Vec<&Path> = device_binds(&table, "nvme1n1").collect();
+        assert_eq!(devs, [Path::new("/pods/b/dev")]);
+    }
 
     const SAMPLE: &str = "\
 22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw

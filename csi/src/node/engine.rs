@@ -17,6 +17,7 @@ use pillar_host::{
     volume_stats,
 };
 use pillar_nvmet::VolumeId;
+use pillar_state::crd::AccessMode;
 
 use super::NodeError;
 use super::attach::{Condition, Device};
@@ -54,6 +55,14 @@ fn mode_name(mode: &StageMode) -> String {
 fn check_mount(path: &Path) -> Result<Option<MountEntry>, NodeError> {
     find_mount(path).map_err(|source| NodeError::CheckMount {
         path: path.to_path_buf(),
+        source: Box::new(source),
+    })
+}
+
+/// Every mount of the node, to find a volume's other publications.
+fn mount_table(target: &Path) -> Result<Vec<MountEntry>, NodeError> {
+    mountinfo::read(Path::new(mountinfo::SELF_MOUNTINFO)).map_err(|source| NodeError::CheckMount {
+        path: target.to_path_buf(),
         source: Box::new(source),
     })
 }
@@ -432,6 +441,13 @@ impl Engine {
                 if let Some(existing) = check_mount(target)? {
                     return self.already_published(&staged, &existing, target, readonly);
                 }
+                if cap.mode == AccessMode::SingleNodeSingleWriter {
+                    let table = mount_table(target)?;
+                    let other = mountinfo::binds_of(&table, &staged)
+                        .find(|p| *p != staged.mount_point && *p != target)
+                        .map(Path::to_path_buf);
+                    refuse_second_publication(volume, other)?;
+                }
                 create_dir(target)?;
                 bind_mount(staging, target, readonly).map_err(|source| NodeError::Mount {
                     target: target.to_path_buf(),
@@ -448,6 +464,15 @@ impl Engine {
                 if mounted(target)? {
                     tracing::info!("already published");
                     return Ok(());
+                }
+                if cap.mode == AccessMode::SingleNodeSingleWriter
+                    && let Some(name) = device.path.file_name().and_then(|n| n.to_str())
+                {
+                    let table = mount_table(target)?;
+                    let other = mountinfo::device_binds(&table, name)
+                        .find(|p| *p != target)
+                        .map(Path::to_path_buf);
+                    refuse_second_publication(volume, other)?;
                 }
                 if let Some(parent) = target.parent() {
                     create_dir(parent)?;
@@ -665,4 +690,15 @@ impl Engine {
 /// How a mount's access is named in errors.
 fn access(read_only: bool) -> &'static str {
     if read_only { "read-only" } else { "read-write" }
+}
+
+/// SINGLE_NODE_SINGLE_WRITER: one publication (one workload) at a time on the node.
+fn refuse_second_publication(volume: &VolumeId, other: Option<PathBuf>) -> Result<(), NodeError> {
+    match other {
+        Some(other) => Err(NodeError::PublishedAtAnotherPath {
+            volume: volume.to_string(),
+            other,
+        }),
+        None => Ok(()),
+    }
 }

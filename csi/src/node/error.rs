@@ -124,6 +124,11 @@ pub enum NodeError {
         found: String,
         requested: String,
     },
+    #[error(
+        "volume {volume} is SINGLE_NODE_SINGLE_WRITER and already published at {other}; one \
+         publication at a time"
+    )]
+    PublishedAtAnotherPath { volume: String, other: PathBuf },
     #[error("volume {volume} is not staged on this node")]
     NotStagedHere { volume: String },
     #[error("volume path {path:?} does not exist")]
@@ -348,7 +353,8 @@ pub fn code_of(err: &NodeError) -> Code {
         | E::StagingPathBusy { .. }
         | E::NotStaged { .. }
         | E::PublishModeMismatch { .. }
-        | E::StillPublished { .. } => Code::FailedPrecondition,
+        | E::StillPublished { .. }
+        | E::PublishedAtAnotherPath { .. } => Code::FailedPrecondition,
 
         // Rule N1: the wrong device is never a retryable condition.
         E::IdentityMismatch { .. } => Code::FailedPrecondition,
