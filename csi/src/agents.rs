@@ -227,6 +227,7 @@ mod tests {
                 tls,
                 pools: Vec::new(),
                 nvme_address: "192.0.2.1".into(),
+                topology: Default::default(),
             },
         )
     }

@@ -42,6 +42,12 @@ impl csi::identity_server::Identity for IdentityService {
                     r#type: service::Type::ControllerService.into(),
                 })),
             },
+            // CreateVolume honours accessibility requirements (PillarAgent topology).
+            csi::PluginCapability {
+                r#type: Some(Type::Service(Service {
+                    r#type: service::Type::VolumeAccessibilityConstraints.into(),
+                })),
+            },
         ];
         Ok(Response::new(csi::GetPluginCapabilitiesResponse {
             capabilities,

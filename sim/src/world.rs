@@ -177,6 +177,7 @@ async fn world(
                         kind: "plain-file".into(),
                     }],
                     nvme_address: "127.0.0.1".into(),
+                    topology: Default::default(),
                 },
             )
             .await?;

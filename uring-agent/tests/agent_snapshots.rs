@@ -161,6 +161,14 @@ async fn snapshots_restores_and_clones_hold_the_content_of_their_moment_and_are_
                 ""
             )
         );
+        // A retry with a newer token moves the snapshot's mark on: an older one is then stale.
+        c.create_snapshot(snap("u-s1", 2, "s1", "v1", "u-v1"))
+            .await
+            .unwrap();
+        assert_eq!(
+            reason(c.delete_snapshot(delete_snap("u-s1", 1, "s1")).await),
+            (Code::FailedPrecondition, ErrorReason::StaleGeneration)
+        );
         // A snapshot ID equal to a volume ID has marks of its own.
         c.create_snapshot(snap("u-snap-v1", 1, "v1", "v1", "u-v1"))
             .await

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent::backend::{
-    Backend, BackendError, CommandError, CommandRunner, LvmBackend, MIB, PoolConfig, PoolKind,
-    Reply, ScriptedRunner,
+    Backend, BackendError, CommandError, CommandRunner, ContentSource, LvmBackend, MIB, PoolConfig,
+    PoolKind, Reply, ScriptedRunner,
 };
 use pillar_nvmet::VolumeId;
 
@@ -642,4 +642,251 @@ async fn a_device_that_does_not_appear_is_an_error() {
         "{err:?}"
     );
     assert_eq!(runner.remaining(), 0);
+}
+
+fn snapshot_lvs_args() -> Vec<&'static str> {
+    vec![
+        "lvs",
+        "--config",
+        "report/time_format=\"%s\"",
+        "--reportformat",
+        "json",
+        "--units",
+        "b",
+        "--nosuffix",
+        "-o",
+        "lv_name,lv_size,lv_tags,lv_time",
+        "vg0",
+    ]
+}
+
+fn snapshot_row(name: &str, size: u64, tags: &str, time: u64) -> String {
+    format!(
+        "{{\"lv_name\":\"{name}\", \"lv_size\":\"{size}\", \"lv_tags\":\"{tags}\", \
+         \"lv_time\":\"{time}\"}}"
+    )
+}
+
+// Issue 12 item 1: lvm-thin snapshots are thin snapshots named apart from every volume LV,
+// tagged, left with LVM's activation skip; lvm-linear refuses with its reason.
+#[tokio::test]
+async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
+    let f = Fixture::thin();
+    let created = 1_764_000_000;
+    f.expect(&snapshot_lvs_args(), ok(report("lv", &[])))
+        .expect(
+            &lvs_args(),
+            ok(report(
+                "lv",
+                &[thin_pool_row(), thin("pvc-1", 1 << 30, "pillar")],
+            )),
+        )
+        .expect(
+            &[
+                "lvcreate",
+                "--snapshot",
+                "-n",
+                "snap+snap-1",
+                "--addtag",
+                "pillar-snapshot",
+                "--yes",
+                "vg0/pvc-1",
+            ],
+            ok(String::new()),
+        )
+        .expect(
+            &snapshot_lvs_args(),
+            ok(report(
+                "lv",
+                &[snapshot_row(
+                    "snap+snap-1",
+                    1 << 30,
+                    "pillar-snapshot",
+                    created,
+                )],
+            )),
+        );
+    let info = f
+        .backend
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .await
+        .unwrap();
+    assert_eq!(info.size_bytes, 1 << 30);
+    assert_eq!(info.method, Some("lvm-thin"));
+    assert_eq!(
+        info.created,
+        std::time::UNIX_EPOCH + Duration::from_secs(created)
+    );
+    assert!(f.backend.snapshots_are_point_in_time().await.unwrap());
+    f.done();
+
+    // Again: found, nothing run.
+    f.expect(
+        &snapshot_lvs_args(),
+        ok(report(
+            "lv",
+            &[snapshot_row(
+                "snap+snap-1",
+                1 << 30,
+                "pillar-snapshot",
+                created,
+            )],
+        )),
+    );
+    let again = f
+        .backend
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .await
+        .unwrap();
+    assert_eq!((again.created, again.method), (info.created, None));
+    f.done();
+
+    // A foreign LV of the snapshot's name is left alone.
+    f.expect(
+        &snapshot_lvs_args(),
+        ok(report(
+            "lv",
+            &[snapshot_row("snap+snap-2", 1 << 30, "", created)],
+        )),
+    );
+    let err = f.backend.delete_snapshot(&vol("snap-2")).await.unwrap_err();
+    assert!(matches!(err, BackendError::NotOwned { .. }), "{err}");
+    f.done();
+
+    f.expect(
+        &snapshot_lvs_args(),
+        ok(report(
+            "lv",
+            &[snapshot_row(
+                "snap+snap-1",
+                1 << 30,
+                "pillar-snapshot",
+                created,
+            )],
+        )),
+    )
+    .expect(&["lvremove", "-y", "vg0/snap+snap-1"], ok(String::new()))
+    .expect(&snapshot_lvs_args(), ok(report("lv", &[])));
+    f.backend.delete_snapshot(&vol("snap-1")).await.unwrap();
+    f.backend.delete_snapshot(&vol("snap-1")).await.unwrap();
+    f.done();
+
+    let linear = Fixture::linear();
+    let err = linear
+        .backend
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::SnapshotsUnsupported { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("copy-on-write"), "{err}");
+    assert!(linear.backend.snapshots_are_point_in_time().await.is_err());
+}
+
+// Issue 12 item 2: a restore is a thin snapshot of the snapshot, activation skip off, tagged as
+// a volume, grown when asked larger; smaller than the snapshot is refused before anything runs.
+#[tokio::test]
+async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
+    let f = Fixture::thin();
+    let snap = || {
+        ok(report(
+            "lv",
+            &[snapshot_row("snap+snap-1", 8 * MIB, "pillar-snapshot", 1)],
+        ))
+    };
+    f.expect(&vgs_args(), ok(vg_report(4 * MIB)))
+        .expect(&lvs_args(), ok(report("lv", &[thin_pool_row()])))
+        .expect(&snapshot_lvs_args(), snap());
+    let err = f
+        .backend
+        .create_from(
+            &vol("pvc-small"),
+            4 * MIB,
+            &ContentSource::Snapshot(vol("snap-1")),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::SmallerThanSource { .. }),
+        "{err}"
+    );
+    f.done();
+
+    f.expect(&lvs_args(), ok(report("lv", &[thin_pool_row()])))
+        .expect(&snapshot_lvs_args(), snap())
+        .expect(
+            &[
+                "lvcreate",
+                "--snapshot",
+                "-n",
+                "pvc-r",
+                "--addtag",
+                "pillar",
+                "--setactivationskip",
+                "n",
+                "--yes",
+                "vg0/snap+snap-1",
+            ],
+            ok(String::new()),
+        )
+        .expect(
+            &["lvextend", "-L", "16777216b", "vg0/pvc-r"],
+            ok(String::new()),
+        )
+        .expect(
+            &lvs_args(),
+            ok(report(
+                "lv",
+                &[thin_pool_row(), thin("pvc-r", 16 * MIB, "pillar")],
+            )),
+        );
+    let info = f
+        .backend
+        .create_from(
+            &vol("pvc-r"),
+            16 * MIB,
+            &ContentSource::Snapshot(vol("snap-1")),
+        )
+        .await
+        .unwrap();
+    assert_eq!(info.size_bytes, 16 * MIB);
+    f.done();
+
+    // A clone: the same from the volume's LV, at its size (no lvextend).
+    f.expect(&lvs_args(), ok(report("lv", &[thin_pool_row()])))
+        .expect(
+            &lvs_args(),
+            ok(report(
+                "lv",
+                &[thin_pool_row(), thin("pvc-1", 8 * MIB, "pillar")],
+            )),
+        )
+        .expect(
+            &[
+                "lvcreate",
+                "--snapshot",
+                "-n",
+                "pvc-c",
+                "--addtag",
+                "pillar",
+                "--setactivationskip",
+                "n",
+                "--yes",
+                "vg0/pvc-1",
+            ],
+            ok(String::new()),
+        )
+        .expect(
+            &lvs_args(),
+            ok(report(
+                "lv",
+                &[thin_pool_row(), thin("pvc-c", 8 * MIB, "pillar")],
+            )),
+        );
+    f.backend
+        .create_from(&vol("pvc-c"), 8 * MIB, &ContentSource::Volume(vol("pvc-1")))
+        .await
+        .unwrap();
 }

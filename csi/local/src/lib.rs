@@ -176,6 +176,7 @@ pub async fn start(
             kind: "file".into(),
         }],
         nvme_address: "127.0.0.1".into(),
+        topology: Default::default(),
     };
     match store.get_agent("local").await? {
         None => {
@@ -234,6 +235,7 @@ pub async fn start(
         },
         connect_timeout: Duration::from_secs(30),
         reservations: true,
+        topology: Default::default(),
     })
     .map_err(LocalError::Node)?;
     let node_socket = sockets.node.clone();

@@ -65,7 +65,18 @@ enum Mode {
         /// The node's NVMe host ID file.
         #[arg(long, default_value = "/etc/nvme/hostid")]
         hostid_file: PathBuf,
+        /// A topology segment this node reports, `KEY=VALUE` (repeatable; e.g.
+        /// `topology.pillar-csi.io/zone=a`, matching the PillarAgents' `spec.topology`).
+        #[arg(long = "topology", value_parser = parse_segment)]
+        topology: Vec<(String, String)>,
     },
+}
+
+fn parse_segment(raw: &str) -> Result<(String, String), String> {
+    match raw.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{raw:?} is not KEY=VALUE")),
+    }
 }
 
 fn read_trimmed(path: &PathBuf) -> anyhow::Result<String> {
@@ -132,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
             state_dir,
             hostnqn_file,
             hostid_file,
+            topology,
         } => {
             let host_nqn = read_trimmed(&hostnqn_file)?.parse().context("host NQN")?;
             let host_id = read_trimmed(&hostid_file)?.parse().context("host ID")?;
@@ -144,6 +156,7 @@ async fn main() -> anyhow::Result<()> {
                 attach: AttachMode::NvmeTcp,
                 connect_timeout: Duration::from_secs(30),
                 reservations: true,
+                topology: topology.into_iter().collect(),
             })
             .context("node plugin")?;
             serve(

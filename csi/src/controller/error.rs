@@ -61,6 +61,8 @@ pub enum ControllerError {
     LifecycleGone { volume: String },
     #[error("volume {volume}: too many concurrent updates; retry")]
     Contention { volume: String },
+    #[error("{0}")]
+    Unreachable(String),
     #[error("snapshot {0} does not exist")]
     SnapshotNotFound(String),
     #[error("snapshot {0} already exists with source volume {1}")]
@@ -99,6 +101,8 @@ pub fn code_of(err: &ControllerError) -> Code {
             Code::AlreadyExists
         }
         E::SnapshotDeleting(_) | E::SnapshotNotReady(_) => Code::Aborted,
+        // CSI: unable to provision in the accessible topology.
+        E::Unreachable(_) => Code::ResourceExhausted,
         E::SnapshotAgentMissing { .. } => Code::FailedPrecondition,
         E::PublishedElsewhere { .. }
         | E::StillPublished { .. }

@@ -5,7 +5,8 @@
 //! - `record`: the one compare-and-swap loop every write to a PillarVolumeState goes through;
 //! - `publish`: the publish table ([`decide_publication`]), publish and unpublish;
 //! - `provision`: create (empty, or restored or cloned from a source), delete, expand;
-//!   `snapshot`: a snapshot's lifecycle; `read`: validate, list, get, capacity;
+//!   `snapshot`: a snapshot's lifecycle; `topology`: which agents a request may use;
+//!   `read`: validate, list, get, capacity;
 //! - `agent`: reaching a volume's agent; `resync`: bringing a restarted agent back;
 //! - `condition`: status conditions (`AclDisabled`) set inside the writes they describe, and
 //!   best-effort Kubernetes Events on their transitions;
@@ -40,6 +41,7 @@ mod request;
 mod resync;
 mod service;
 mod snapshot;
+mod topology;
 
 use std::sync::Arc;
 

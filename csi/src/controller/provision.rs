@@ -24,51 +24,80 @@ use super::agent::{VolumeAgent, export_request};
 use super::error::ControllerError;
 use super::record::{Write, always, not_deleting, token};
 use super::request::{self, Create, Source, VolumeRef};
-use super::{Controller, params};
+use super::{Controller, params, topology};
 use crate::{context, csi};
+
+/// Where a new volume goes: agent, its topology, pool, size, and the content source.
+type Placement = (
+    String,
+    BTreeMap<String, String>,
+    String,
+    u64,
+    Option<ContentSourceRef>,
+);
 
 fn saturating_i64(bytes: u64) -> i64 {
     i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
 impl Controller {
-    /// The agent and pool a StorageClass names, or the only ones there are.
+    /// The agent and pool for a volume: the StorageClass's, or the only ones there are; when
+    /// the request names topologies, only an agent reachable from a requisite one, the most
+    /// preferred first (`topology::rank`), with the named pool or its only pool.
     pub(super) async fn pick_agent(
         &self,
         parameters: &HashMap<String, String>,
+        requirement: Option<&csi::TopologyRequirement>,
     ) -> Result<(PillarAgent, String), ControllerError> {
         let invalid = ControllerError::InvalidArgument;
-        let agent = match parameters.get(params::AGENT) {
-            Some(name) => self.store.get_agent(name).await?.ok_or_else(|| {
+        let pool_of = |agent: &PillarAgent| -> Result<String, ControllerError> {
+            match (parameters.get(params::POOL), agent.spec.pools.as_slice()) {
+                (Some(p), pools) if pools.iter().any(|x| x.name == *p) => Ok(p.clone()),
+                (Some(p), _) => Err(invalid(format!("agent has no pool {p:?}"))),
+                (None, [only]) => Ok(only.name.clone()),
+                (None, _) => Err(invalid(format!(
+                    "name the pool with the {} parameter",
+                    params::POOL
+                ))),
+            }
+        };
+        if let Some(name) = parameters.get(params::AGENT) {
+            let agent = self.store.get_agent(name).await?.ok_or_else(|| {
                 invalid(format!(
                     "PillarAgent {name:?} named in {} does not exist",
                     params::AGENT
                 ))
-            })?,
-            None => {
-                let mut all = self.store.list_agents().await?;
-                if all.len() != 1 {
-                    return Err(invalid(format!(
-                        "{} agents exist; name one with the {} parameter",
-                        all.len(),
-                        params::AGENT
-                    )));
-                }
-                all.remove(0)
-            }
-        };
-        let pool = match (parameters.get(params::POOL), agent.spec.pools.as_slice()) {
-            (Some(p), pools) if pools.iter().any(|x| x.name == *p) => p.clone(),
-            (Some(p), _) => return Err(invalid(format!("agent has no pool {p:?}"))),
-            (None, [only]) => only.name.clone(),
-            (None, _) => {
-                return Err(invalid(format!(
-                    "name the pool with the {} parameter",
-                    params::POOL
+            })?;
+            if topology::rank(std::slice::from_ref(&agent), requirement).is_empty() {
+                return Err(ControllerError::Unreachable(format!(
+                    "PillarAgent {name:?} is not reachable from the requested topology"
                 )));
             }
-        };
-        Ok((agent, pool))
+            let pool = pool_of(&agent)?;
+            return Ok((agent, pool));
+        }
+        let all = self.store.list_agents().await?;
+        if requirement.is_none() && all.len() != 1 {
+            return Err(invalid(format!(
+                "{} agents exist; name one with the {} parameter",
+                all.len(),
+                params::AGENT
+            )));
+        }
+        let ranked = topology::rank(&all, requirement);
+        let mut refused = None;
+        for agent in ranked {
+            match pool_of(agent) {
+                Ok(pool) => return Ok((agent.clone(), pool)),
+                Err(e) => refused = Some(e),
+            }
+        }
+        Err(refused.unwrap_or_else(|| {
+            ControllerError::Unreachable(format!(
+                "none of the {} PillarAgents is reachable from the requested topology",
+                all.len()
+            ))
+        }))
     }
 
     async fn pick_protocol(
@@ -125,17 +154,20 @@ impl Controller {
             }
             return Ok(v);
         }
-        let (agent, pool, size, content_source) = match &req.source {
+        let (agent, topology, pool, size, content_source) = match &req.source {
             None => {
-                let (agent, pool) = self.pick_agent(&req.parameters).await?;
-                let agent = agent.metadata.name.clone().unwrap_or_default();
-                (agent, pool, req.size.size(), None)
+                let (agent, pool) = self
+                    .pick_agent(&req.parameters, req.topology.as_ref())
+                    .await?;
+                let name = agent.metadata.name.clone().unwrap_or_default();
+                (name, agent.spec.topology, pool, req.size.size(), None)
             }
             Some(source) => self.source_placement(req, source).await?,
         };
         let protocol = self.pick_protocol(&req.parameters).await?;
         let spec = PillarVolumeStateSpec {
             content_source,
+            topology,
             volume_id: name.clone(),
             agent,
             pool,
@@ -165,7 +197,7 @@ impl Controller {
         &self,
         req: &Create,
         source: &Source,
-    ) -> Result<(String, String, u64, Option<ContentSourceRef>), ControllerError> {
+    ) -> Result<Placement, ControllerError> {
         let (kind, id, uid, agent, pool, source_bytes) = match source {
             Source::Snapshot(id) => {
                 let s = self.restorable_snapshot(id.clone()).await?;
@@ -211,6 +243,20 @@ impl Controller {
                 )));
             }
         }
+        let record =
+            self.store
+                .get_agent(&agent)
+                .await?
+                .ok_or_else(|| ControllerError::AgentMissing {
+                    volume: id.clone(),
+                    agent: agent.clone(),
+                })?;
+        if topology::rank(std::slice::from_ref(&record), req.topology.as_ref()).is_empty() {
+            return Err(ControllerError::Unreachable(format!(
+                "{id} lives on PillarAgent {agent:?}, which is not reachable from the requested \
+                 topology; a restore or clone is made where its source lives"
+            )));
+        }
         let size = req.size.required.max(source_bytes);
         if req.size.required != 0 && req.size.required < source_bytes
             || req.size.limit != 0 && req.size.limit < source_bytes
@@ -219,7 +265,13 @@ impl Controller {
                 "{id} holds {source_bytes} bytes; the volume's capacity range cannot hold it"
             )));
         }
-        Ok((agent, pool, size, Some(ContentSourceRef { kind, id, uid })))
+        Ok((
+            agent,
+            record.spec.topology,
+            pool,
+            size,
+            Some(ContentSourceRef { kind, id, uid }),
+        ))
     }
 
     /// CreateVolume: record, backing device, export.
@@ -267,7 +319,7 @@ impl Controller {
                     .into_iter()
                     .collect(),
                 content_source: state.spec.content_source.as_ref().map(csi_source),
-                accessible_topology: Vec::new(),
+                accessible_topology: topology::accessible(&state.spec.topology),
             }),
         })
     }

@@ -21,7 +21,7 @@ fn csi_volume(v: &PillarVolumeState) -> csi::Volume {
             .content_source
             .as_ref()
             .map(super::provision::csi_source),
-        accessible_topology: Vec::new(),
+        accessible_topology: super::topology::accessible(&v.spec.topology),
     }
 }
 
@@ -154,15 +154,28 @@ impl Controller {
         &self,
         req: csi::GetCapacityRequest,
     ) -> Result<csi::GetCapacityResponse, ControllerError> {
+        // Capacity per topology segment (external-provisioner's capacity tracking): only what a
+        // node in that segment can reach.
+        let reachable = |a: &PillarAgent| {
+            req.accessible_topology
+                .as_ref()
+                .is_none_or(|t| super::topology::reachable_from(&a.spec.topology, &t.segments))
+        };
         let targets: Vec<(PillarAgent, String)> = if req.parameters.contains_key(params::AGENT)
             || req.parameters.contains_key(params::POOL)
         {
-            vec![self.pick_agent(&req.parameters).await?]
+            let (agent, pool) = self.pick_agent(&req.parameters, None).await?;
+            if reachable(&agent) {
+                vec![(agent, pool)]
+            } else {
+                Vec::new()
+            }
         } else {
             self.store
                 .list_agents()
                 .await?
                 .into_iter()
+                .filter(|a| reachable(a))
                 .flat_map(|a| {
                     let pools: Vec<String> = a.spec.pools.iter().map(|p| p.name.clone()).collect();
                     pools.into_iter().map(move |p| (a.clone(), p))

@@ -147,6 +147,8 @@ pub struct Create {
     pub size: SizeRange,
     pub parameters: HashMap<String, String>,
     pub source: Option<Source>,
+    /// Where the volume must (requisite) and should (preferred) be reachable from.
+    pub topology: Option<csi::TopologyRequirement>,
 }
 
 pub fn create(req: csi::CreateVolumeRequest) -> Result<Create, ControllerError> {
@@ -165,6 +167,7 @@ pub fn create(req: csi::CreateVolumeRequest) -> Result<Create, ControllerError> 
         size: SizeRange::parse(req.capacity_range.as_ref())?,
         parameters: req.parameters,
         source,
+        topology: req.accessibility_requirements,
     })
 }
 

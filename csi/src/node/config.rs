@@ -42,4 +42,8 @@ pub struct NodeConfig {
     /// reservation (rule W9). On in every real deployment; off only where the NVMe devices are
     /// stand-ins that cannot answer NVMe ioctls (loop devices under a fake sysfs in tests).
     pub reservations: bool,
+    /// Topology segments this node reports besides [`TOPOLOGY_KEY`](super::TOPOLOGY_KEY) (for
+    /// example `topology.pillar-csi.io/zone`): a volume is placed only on an agent whose
+    /// segments this node reports with the same values.
+    pub topology: std::collections::BTreeMap<String, String>,
 }

@@ -366,8 +366,9 @@ impl Node for NodeService {
         &self,
         _request: Request<csi::NodeGetInfoRequest>,
     ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
-        let segments =
-            HashMap::from([(TOPOLOGY_KEY.to_owned(), self.engine.cfg.node_name.clone())]);
+        let mut segments: HashMap<String, String> =
+            self.engine.cfg.topology.clone().into_iter().collect();
+        segments.insert(TOPOLOGY_KEY.to_owned(), self.engine.cfg.node_name.clone());
         Ok(Response::new(csi::NodeGetInfoResponse {
             node_id: self.node_id.clone(),
             max_volumes_per_node: 0,

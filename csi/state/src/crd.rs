@@ -82,6 +82,10 @@ pub struct PillarVolumeStateSpec {
     /// StorageClass parameters the volume was created with.
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+    /// The topology segments the volume is reachable from (its agent's, when it was created);
+    /// empty: from every node.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub topology: BTreeMap<String, String>,
     /// The snapshot or volume the volume's content was copied from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_source: Option<ContentSourceRef>,
@@ -313,6 +317,11 @@ pub struct PillarAgentSpec {
     pub pools: Vec<PoolRef>,
     /// The address hosts connect to over NVMe/TCP.
     pub nvme_address: String,
+    /// Topology segments of the storage node (for example `topology.pillar-csi.io/zone: a`).
+    /// A volume on this agent is reachable from a node whose NodeGetInfo reports every one of
+    /// these keys with the same value; none means from every node.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub topology: BTreeMap<String, String>,
 }
 
 /// TLS settings for talking to an agent.

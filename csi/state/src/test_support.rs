@@ -13,6 +13,7 @@ use crate::{EmbeddedStore, KubeStore, StateStore};
 pub(crate) fn volume_spec(id: &str) -> PillarVolumeStateSpec {
     PillarVolumeStateSpec {
         content_source: None,
+        topology: BTreeMap::new(),
         volume_id: id.to_owned(),
         agent: "storage-1".into(),
         pool: "pool-a".into(),
@@ -37,6 +38,7 @@ pub(crate) fn agent_spec(node: &str) -> PillarAgentSpec {
             kind: "lvm".into(),
         }],
         nvme_address: "10.0.1.1".into(),
+        topology: Default::default(),
     }
 }
 

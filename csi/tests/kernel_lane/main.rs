@@ -43,6 +43,9 @@
 //!     nothing is written to it and the stage works
 //! 11. density: 1,000 exports on loop devices; one more Export timed at 10 and at 1,000; a
 //!     storage reboot and one resync of all 1,000, each back with its identity, ACL and port
+//! 12. lvm-thin snapshots: data written through NVMe/TCP, a snapshot cut with the host
+//!     connected, more writes; a restore holds exactly the data at the cut, a clone the data
+//!     after; deletes in the orders thin LVM allows, refusals where the rules forbid
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers),
@@ -56,6 +59,7 @@ mod reboot;
 
 mod s10_reservations;
 mod s11_density;
+mod s12_lvm_thin_snapshots;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;

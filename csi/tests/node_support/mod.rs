@@ -222,6 +222,7 @@ pub fn config(dir: &Path, attach: AttachMode, paths: HostPaths) -> NodeConfig {
         // The fake sysfs's namespaces are loop devices, which answer no NVMe ioctl; the tests
         // that want the reservation step turn it on.
         reservations: false,
+        topology: Default::default(),
     }
 }
 

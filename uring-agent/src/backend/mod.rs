@@ -364,6 +364,7 @@ impl Backend {
         match self {
             Self::File(b) => b.reflinks().await,
             Self::PlainFile(b) => b.reflinks().await,
+            // dm-thin snapshots are atomic (the origin is suspended and flushed for them).
             Self::Lvm(b) => b.snapshots_supported().map(|()| true),
             Self::Zfs(b) => b.snapshots_supported().map(|()| true),
         }

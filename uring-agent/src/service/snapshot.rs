@@ -42,8 +42,11 @@ impl Agent {
         )?;
         if backend.lookup_snapshot(snapshot).await?.is_some() {
             match self.snapshot_marks.read(snapshot)? {
-                // This lifecycle's retry: its mark was written before the cut.
+                // This lifecycle's retry: its mark was written before the cut; a newer token
+                // still moves it on.
                 Some(mark) if token.as_ref().is_some_and(|t| t.uid == mark.owner_uid) => {
+                    self.commit_in(&self.snapshot_marks, snapshot, decision)
+                        .await?;
                     return Ok(backend.create_snapshot(source, snapshot).await?);
                 }
                 // Left by a delete interrupted after its mark ended the old lifecycle: that

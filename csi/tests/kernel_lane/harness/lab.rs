@@ -122,6 +122,7 @@ impl Lab {
                             kind: "file".into(),
                         }],
                         nvme_address: "127.0.0.1".into(),
+                        topology: Default::default(),
                     },
                 )
                 .await
