@@ -424,4 +424,39 @@ async fn the_node_socket_reports_the_whole_plugin() {
             if s.r#type == i32::from(csi::plugin_capability::service::Type::ControllerService))
     });
     assert!(controller, "{caps:?}");
+    let topology = caps.iter().any(|c| {
+        matches!(&c.r#type, Some(csi::plugin_capability::Type::Service(s))
+            if s.r#type == i32::from(csi::plugin_capability::service::Type::VolumeAccessibilityConstraints))
+    });
+    assert!(topology, "{caps:?}");
+}
+
+// Issue 12 item 4: the node reports its configured segments with its own, so a volume is
+// placed only on an agent whose segments it reports.
+#[tokio::test]
+async fn node_info_reports_the_configured_topology_segments() {
+    let h = Harness::start(|dir| {
+        let mut c = config(dir, AttachMode::LocalDevice, HostPaths::system());
+        c.topology
+            .insert("topology.pillar-csi.io/zone".into(), "zone-a".into());
+        c
+    })
+    .await;
+    let info = h
+        .client
+        .clone()
+        .node_get_info(csi::NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        info.accessible_topology.unwrap().segments,
+        HashMap::from([
+            (TOPOLOGY_KEY.to_owned(), NODE.to_owned()),
+            (
+                "topology.pillar-csi.io/zone".to_owned(),
+                "zone-a".to_owned()
+            ),
+        ])
+    );
 }
