@@ -3,10 +3,10 @@
 //!
 //! 1. At the target at most one host is admitted to a single-writer volume (and never any host,
 //!    `allow_any_host`, under `acl: true`). Every simulated volume is single-writer.
-//! 2. No agent applies a change with a generation below its mark: a volume's mark never moves
-//!    back within one lifecycle.
-//! 3. A volume deleted and re-created under one name is never touched by the old lifecycle: once
-//!    a mark moved on from a UID, that UID never owns it again.
+//! 2. No agent applies a change with a generation below its mark: a volume's (or snapshot's)
+//!    mark never moves back within one lifecycle.
+//! 3. A volume (or snapshot) deleted and re-created under one name is never touched by the old
+//!    lifecycle: once a mark moved on from a UID, that UID never owns it again.
 //! 4. A publication record is removed only after its revoke is confirmed: every host admitted at
 //!    a target has a publication record (possibly being revoked) of that volume, on that agent.
 //! 5. A published volume is never deleted: once a lifecycle's backend volume existed, it exists
@@ -143,8 +143,11 @@ impl Checker {
                 }
             }
         }
-        if let Some(v) = self.check_marks(agent) {
-            return Some(v);
+        // Volumes' marks, and snapshots' (a lifecycle of their own, in their own directory).
+        for (dir, kind) in [("generations", ""), ("snapshot-generations", "snapshot ")] {
+            if let Some(v) = self.check_marks(agent, dir, kind) {
+                return Some(v);
+            }
         }
         for (name, v) in volumes.iter().filter(|(_, v)| v.spec.agent == agent.name) {
             let uid = v.metadata.uid.clone().unwrap_or_default();
@@ -167,8 +170,8 @@ impl Checker {
         None
     }
 
-    fn check_marks(&mut self, agent: &SimAgent) -> Option<Violation> {
-        let dir = agent.state.join("generations");
+    fn check_marks(&mut self, agent: &SimAgent, dir: &str, kind: &str) -> Option<Violation> {
+        let dir = agent.state.join(dir);
         let Ok(entries) = std::fs::read_dir(&dir) else {
             return None;
         };
@@ -192,17 +195,17 @@ impl Checker {
                 Err(e) => {
                     return violation(
                         Invariant::MarkNeverMovesBack,
-                        format!("{}: the mark of {volume} is corrupt: {e}", agent.name),
+                        format!("{}: the mark of {kind}{volume} is corrupt: {e}", agent.name),
                     );
                 }
             };
-            let key = (agent.name.clone(), volume.to_string());
+            let key = (agent.name.clone(), format!("{kind}{volume}"));
             if let Some((uid, generation)) = self.marks.get(&key).cloned() {
                 if mark.owner_uid == uid && mark.generation < generation {
                     return violation(
                         Invariant::MarkNeverMovesBack,
                         format!(
-                            "{}: the mark of {volume} moved back from generation {generation} to {} (lifecycle {uid})",
+                            "{}: the mark of {kind}{volume} moved back from generation {generation} to {} (lifecycle {uid})",
                             agent.name, mark.generation
                         ),
                     );
@@ -213,7 +216,7 @@ impl Checker {
                         return violation(
                             Invariant::OldLifecycleNeverTouchesNew,
                             format!(
-                                "{}: the mark of {volume} went back from lifecycle {uid} to the earlier {}",
+                                "{}: the mark of {kind}{volume} went back from lifecycle {uid} to the earlier {}",
                                 agent.name, mark.owner_uid
                             ),
                         );

@@ -205,7 +205,12 @@ async fn world(
     for step in 0..config.steps {
         let r = usize::try_from(chaos.below(2)).unwrap_or(0);
         let replica = Arc::clone(&replicas[r]);
-        let name = format!("vol-{}", chaos.below(config.volumes as u64));
+        // One name in four is a restore's ("vol-r<k>"): restores, and what happens to them.
+        let name = if chaos.below(4) == 0 {
+            format!("vol-r{}", chaos.below(config.volumes as u64))
+        } else {
+            format!("vol-{}", chaos.below(config.volumes as u64))
+        };
         let id = volume_id_for_name(&name)
             .map(|v| v.to_string())
             .unwrap_or_default();
@@ -213,14 +218,19 @@ async fn world(
         let variant = u32::try_from(chaos.below(2)).unwrap_or(0);
         let node_id = format!("node-{node}/{}", host(node, variant));
         let roll = chaos.below(100);
+        let snapshot = format!("snap-{}", chaos.below(config.volumes as u64));
         let (label, op): (String, Op) = match roll {
-            0..20 => {
+            0..14 => {
                 let mut parameters = HashMap::new();
                 let agent = chaos.below(config.agents as u64);
-                parameters.insert(
-                    pillar_csi::controller::params::AGENT.to_owned(),
-                    format!("storage-{agent}"),
-                );
+                // A restore's name: a volume restored from a snapshot (on the snapshot's agent).
+                let restore = name.starts_with("vol-r");
+                if !restore {
+                    parameters.insert(
+                        pillar_csi::controller::params::AGENT.to_owned(),
+                        format!("storage-{agent}"),
+                    );
+                }
                 let req = csi::CreateVolumeRequest {
                     name: name.clone(),
                     capacity_range: Some(csi::CapacityRange {
@@ -229,10 +239,22 @@ async fn world(
                     }),
                     volume_capabilities: vec![capability()],
                     parameters,
+                    volume_content_source: restore.then(|| csi::VolumeContentSource {
+                        r#type: Some(csi::volume_content_source::Type::Snapshot(
+                            csi::volume_content_source::SnapshotSource {
+                                snapshot_id: snapshot.clone(),
+                            },
+                        )),
+                    }),
                     ..Default::default()
                 };
+                let label = if restore {
+                    format!("CreateVolume {name} from {snapshot}")
+                } else {
+                    format!("CreateVolume {name} on storage-{agent}")
+                };
                 (
-                    format!("CreateVolume {name} on storage-{agent}"),
+                    label,
                     Box::pin(async move {
                         replica
                             .create_volume(req)
@@ -242,7 +264,24 @@ async fn world(
                     }),
                 )
             }
-            20..52 => {
+            14..22 => {
+                let req = csi::CreateSnapshotRequest {
+                    name: snapshot.clone(),
+                    source_volume_id: id.clone(),
+                    ..Default::default()
+                };
+                (
+                    format!("CreateSnapshot {snapshot} of {name}"),
+                    Box::pin(async move {
+                        replica
+                            .create_snapshot(req)
+                            .await
+                            .map(drop)
+                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
+                    }),
+                )
+            }
+            22..52 => {
                 let req = csi::ControllerPublishVolumeRequest {
                     volume_id: id.clone(),
                     node_id: node_id.clone(),
@@ -284,7 +323,7 @@ async fn world(
                     }),
                 )
             }
-            80..93 => {
+            80..91 => {
                 let req = csi::DeleteVolumeRequest {
                     volume_id: id.clone(),
                     ..Default::default()
@@ -294,6 +333,22 @@ async fn world(
                     Box::pin(async move {
                         replica
                             .delete_volume(req)
+                            .await
+                            .map(drop)
+                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
+                    }),
+                )
+            }
+            91..93 => {
+                let req = csi::DeleteSnapshotRequest {
+                    snapshot_id: snapshot.clone(),
+                    ..Default::default()
+                };
+                (
+                    format!("DeleteSnapshot {snapshot}"),
+                    Box::pin(async move {
+                        replica
+                            .delete_snapshot(req)
                             .await
                             .map(drop)
                             .map_err(|e| format!("{:?}: {e}", code_of(&e)))
