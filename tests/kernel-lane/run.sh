@@ -23,7 +23,8 @@
 #   KERNEL_LANE_GUEST_SCRIPT  guest script (default guest/pillar.sh); only to check the lane's
 #                         own verdict (a script that reports no scenario must fail the lane)
 #   PILLAR_LANE_ENGINE    agent engine in the guest: io_uring (default) or sync
-#   VM_MEM, VM_TIMEOUT, ... as for vm.sh (defaults here: VM_MEM 1024, VM_TIMEOUT 600)
+#   VM_MEM, VM_TIMEOUT, ... as for vm.sh (defaults here: VM_MEM 1024, VM_TIMEOUT 1200: thirteen
+#   scenarios take 450-560 s per kernel under TCG on a busy two-core machine)
 set -euo pipefail
 
 # shellcheck disable=SC2034 # read by log() in lib.sh
@@ -42,7 +43,7 @@ done
 GUEST_SCRIPT=${KERNEL_LANE_GUEST_SCRIPT:-$LANE_DIR/guest/pillar.sh}
 PROFILE=${KERNEL_LANE_PROFILE:-dev}
 export VM_MEM=${VM_MEM:-1024}
-export VM_TIMEOUT=${VM_TIMEOUT:-600}
+export VM_TIMEOUT=${VM_TIMEOUT:-1200}
 export VM_PASS_ENV="${VM_PASS_ENV:-} PILLAR_LANE_ENGINE PILLAR_LANE_RUST_LOG"
 
 T_START=$EPOCHREALTIME
