@@ -358,6 +358,15 @@ impl Backend {
         }
     }
 
+    /// `Ok` when the pool takes snapshots and clones; the reason otherwise. No I/O.
+    pub fn snapshots_supported(&self) -> Result<(), BackendError> {
+        match self {
+            Self::File(_) | Self::PlainFile(_) => Ok(()),
+            Self::Lvm(b) => b.snapshots_supported(),
+            Self::Zfs(b) => b.snapshots_supported(),
+        }
+    }
+
     /// Whether a snapshot or clone of a volume being written is one point in time (the
     /// backend's snapshot is atomic); `Err` when the pool takes no snapshots at all.
     pub async fn snapshots_are_point_in_time(&self) -> Result<bool, BackendError> {

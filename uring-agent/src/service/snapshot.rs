@@ -17,7 +17,7 @@
 use pillar_nvmet::VolumeId;
 
 use super::{Agent, AgentError, VolumeSize};
-use crate::backend::{ContentSource, SnapshotInfo, VolumeInfo};
+use crate::backend::{Backend, ContentSource, SnapshotInfo, VolumeInfo};
 use crate::fence::{Intent, MarkStore, Token};
 
 impl Agent {
@@ -31,7 +31,8 @@ impl Agent {
         source_uid: &str,
     ) -> Result<SnapshotInfo, AgentError> {
         let backend = self.pool(pool)?;
-        let point_in_time = backend.snapshots_are_point_in_time().await?;
+        // Refused before any lock or mark when the pool takes no snapshots at all.
+        backend.snapshots_supported()?;
         let _source = self.lock_volume(source).await;
         let _snapshot = self.snapshot_locks.lock(snapshot.clone()).await;
         let decision = self.check_in(
@@ -60,9 +61,7 @@ impl Agent {
             }
         }
         live(&self.marks, "volume", source, source_uid)?;
-        if !point_in_time {
-            self.refuse_copy_in_use(source, pool).await?;
-        }
+        self.refuse_copy_in_use(backend, source, pool).await?;
         self.commit_in(&self.snapshot_marks, snapshot, decision)
             .await?;
         Ok(backend.create_snapshot(source, snapshot).await?)
@@ -108,7 +107,8 @@ impl Agent {
                 reason: "a volume cannot be cloned into itself".into(),
             });
         }
-        let point_in_time = backend.snapshots_are_point_in_time().await?;
+        // Refused before any lock or mark when the pool takes no snapshots at all.
+        backend.snapshots_supported()?;
         // Volume locks in ID order, then the snapshot's.
         let (_first, _second, _snapshot) = match source {
             ContentSource::Volume(id) => {
@@ -137,9 +137,7 @@ impl Agent {
                 }
                 ContentSource::Volume(id) => {
                     live(&self.marks, "volume", id, source_uid)?;
-                    if !point_in_time {
-                        self.refuse_copy_in_use(id, pool).await?;
-                    }
+                    self.refuse_copy_in_use(backend, id, pool).await?;
                 }
             }
         }
@@ -147,8 +145,18 @@ impl Agent {
         Ok(backend.create_from(volume, size.bytes(), source).await?)
     }
 
-    /// Refuses when any namespace of `volume` is enabled: a host may be writing it.
-    async fn refuse_copy_in_use(&self, volume: &VolumeId, pool: &str) -> Result<(), AgentError> {
+    /// Where the backend's copy is not one point in time (a file pool without reflink), refuses
+    /// when any namespace of `volume` is enabled: a host may be writing it. The probe runs only
+    /// here, when a live volume is about to be copied.
+    async fn refuse_copy_in_use(
+        &self,
+        backend: &Backend,
+        volume: &VolumeId,
+        pool: &str,
+    ) -> Result<(), AgentError> {
+        if backend.snapshots_are_point_in_time().await? {
+            return Ok(());
+        }
         let nqn = volume.subsystem_nqn();
         let guard = self.target.shared().await;
         let state = self.target.read_back(&guard, nqn.as_str()).await?;
