@@ -12,6 +12,14 @@
 #   KERNEL_LANE_KERNELS   labels to prepare (default "bookworm sid")
 #   SID_LISTS_MAX_AGE_H   refresh the private sid package lists when older (default 24 hours)
 #   KERNEL_LANE_STATE     state folder (default <cargo target dir>/kernel-lane)
+#   KERNEL_LANE_ZFS=0     do not prepare ZFS (scenario 13 then fails: nothing to test it on)
+#
+# ZFS (scenario 13): Debian's zfs-dkms and zfsutils-linux from bookworm's contrib component,
+# through a private apt state. The module is built on the host against each lane kernel's
+# linux-headers (dpkg -x, never installed) when the ZFS release supports that kernel
+# (META's Linux-Maximum), cached per kernel and ZFS version, and put into the kernel's module
+# tree (updates/zfs, depmod); `zfs.ready` in the kernel's folder names the ZFS version. The
+# userland is unpacked to $LANE_STATE/zfs/userland-<version>; the guest runs it from there.
 set -euo pipefail
 
 LOG_TAG=setup
@@ -20,7 +28,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # lvm2 and thin-provisioning-tools (thin_check, run by LVM when it activates a thin pool): the
 # LVM backend's scenario (s8) runs the host's lvm binaries in the guest.
-HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils lvm2 thin-provisioning-tools)
+# make builds the ZFS module (s13) against the lane kernel's headers.
+HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils lvm2 thin-provisioning-tools make)
 DEBS_DIR=$LANE_STATE/debs
 SID_DIR=$LANE_STATE/apt-sid
 SID_LISTS_MAX_AGE_H=${SID_LISTS_MAX_AGE_H:-24}
@@ -169,6 +178,126 @@ download_parts() {  # download_parts CONTEXT PKG...
   done
 }
 
+# ---------------------------------------------------------------- ZFS
+
+ZFS_DIR=$LANE_STATE/zfs
+CONTRIB_DIR=$LANE_STATE/apt-contrib
+APT_CONTRIB=(
+  -o "Dir::Etc::SourceList=$CONTRIB_DIR/sources.list"
+  -o "Dir::Etc::SourceParts=-"
+  -o "Dir::State::Lists=$CONTRIB_DIR/lists"
+  -o "Dir::Cache=$CONTRIB_DIR/cache"
+  -o "Dir::Cache::pkgcache=pkgcache.bin"
+  -o "Dir::Cache::srcpkgcache=srcpkgcache.bin"
+)
+ZFS_PACKAGES=(zfs-dkms zfsutils-linux libnvpair3linux libuutil3linux libzfs4linux libzpool5linux)
+
+# prepare_zfs_sources: the private contrib state and the ZFS packages; sets ZFS_VERSION,
+# ZFS_SRC (the unpacked zfs-dkms source) and ZFS_USERLAND.
+prepare_zfs_sources() {
+  local uri pkg ver debs=$ZFS_DIR/debs
+  mkdir -p "$CONTRIB_DIR/lists/partial" "$CONTRIB_DIR/cache/archives/partial" "$debs"
+  uri=$(machine_debian_uri)
+  printf 'deb %s bookworm contrib\ndeb %s bookworm-updates contrib\n' "$uri" "$uri" >"$CONTRIB_DIR/sources.list.new"
+  if ! cmp -s "$CONTRIB_DIR/sources.list.new" "$CONTRIB_DIR/sources.list"; then
+    mv "$CONTRIB_DIR/sources.list.new" "$CONTRIB_DIR/sources.list"
+    rm -f "$CONTRIB_DIR/updated"
+  fi
+  rm -f "$CONTRIB_DIR/sources.list.new"
+  if [[ ! -f $CONTRIB_DIR/updated ]] || [[ -n $(find "$CONTRIB_DIR/updated" -mmin +$((SID_LISTS_MAX_AGE_H * 60))) ]]; then
+    log "zfs: apt-get update (private contrib state)"
+    apt-get "${APT_CONTRIB[@]}" update -q >"$CONTRIB_DIR/update.log" 2>&1 || die "contrib apt-get update failed (see $CONTRIB_DIR/update.log)"
+    touch "$CONTRIB_DIR/updated"
+  fi
+  ZFS_VERSION=$(apt-cache "${APT_CONTRIB[@]}" policy zfs-dkms 2>/dev/null | awk '!f && $1 == "Candidate:" { print $2; f = 1 }')
+  [[ -n $ZFS_VERSION && $ZFS_VERSION != "(none)" ]] || die "zfs: no zfs-dkms in bookworm contrib"
+  for pkg in "${ZFS_PACKAGES[@]}"; do
+    ver=$(apt-cache "${APT_CONTRIB[@]}" policy "$pkg" 2>/dev/null | awk '!f && $1 == "Candidate:" { print $2; f = 1 }')
+    compgen -G "$debs/${pkg}_${ver//:/%3a}_*.deb" >/dev/null && continue
+    log "zfs: downloading $pkg $ver"
+    (cd "$debs" && apt-get "${APT_CONTRIB[@]}" download -q "$pkg=$ver" >/dev/null 2>&1) || die "zfs: download of $pkg $ver failed"
+  done
+  ZFS_SRC=$ZFS_DIR/src-$ZFS_VERSION
+  ZFS_USERLAND=$ZFS_DIR/userland-$ZFS_VERSION
+  if [[ ! -f $ZFS_SRC/.ready ]]; then
+    rm -rf "$ZFS_SRC" && mkdir -p "$ZFS_SRC"
+    dpkg -x "$debs/zfs-dkms_${ZFS_VERSION//:/%3a}_all.deb" "$ZFS_SRC"
+    touch "$ZFS_SRC/.ready"
+  fi
+  if [[ ! -f $ZFS_USERLAND/.ready ]]; then
+    rm -rf "$ZFS_USERLAND" && mkdir -p "$ZFS_USERLAND"
+    for pkg in "${ZFS_PACKAGES[@]:1}"; do
+      dpkg -x "$(compgen -G "$debs/${pkg}_*${ZFS_VERSION//:/%3a}_amd64.deb" | head -n 1)" "$ZFS_USERLAND"
+    done
+    touch "$ZFS_USERLAND/.ready"
+  fi
+}
+
+# kernel_fits MAX KVER: whether KVER's major.minor is at most MAX (both "X.Y")
+kernel_fits() {
+  local max=$1 k=${2%%-*}
+  local kmaj=${k%%.*} kmin=${k#*.}
+  kmin=${kmin%%.*}
+  ((kmaj < ${max%%.*} || (kmaj == ${max%%.*} && kmin <= ${max#*.})))
+}
+
+# prepare_zfs LABEL: the ZFS module for the label's kernel, built once per kernel and version.
+prepare_zfs() {
+  local label=$1 kver kdir src max built hdr series pkg ver
+  kver=$(basename "$(readlink "$KERNELS_DIR/$label")")
+  kdir=$(kernel_dir "$kver")
+  src=$(compgen -G "$ZFS_SRC/usr/src/zfs-*" | head -n 1)
+  max=$(awk '$1 == "Linux-Maximum:" { print $2 }' "$src/META")
+  if ! kernel_fits "$max" "$kver"; then
+    log "zfs: $ZFS_VERSION supports Linux up to $max: no ZFS on $label ($kver)"
+    rm -f "$kdir/zfs.ready"
+    printf 'ZFS %s supports Linux up to %s, not %s\n' "$ZFS_VERSION" "$max" "$kver" >"$kdir/zfs.unsupported"
+    return 0
+  fi
+  if [[ $label != bookworm ]]; then
+    log "zfs: headers come from the machine's apt (bookworm) only: no ZFS on $label ($kver)"
+    rm -f "$kdir/zfs.ready"
+    printf 'the lane builds ZFS against bookworm headers only, not for %s\n' "$kver" >"$kdir/zfs.unsupported"
+    return 0
+  fi
+  rm -f "$kdir/zfs.unsupported"
+  built=$ZFS_DIR/modules-$kver-$ZFS_VERSION
+  if [[ ! -f $built/.ready ]]; then
+    series=${kver%%-*}
+    series=${series%.*}
+    local parts=("linux-headers-$kver" "linux-headers-${kver%-amd64}-common" "linux-kbuild-$series")
+    download_parts bookworm "${parts[@]}" || die "zfs: cannot download ${parts[*]}"
+    hdr=$ZFS_DIR/build-$kver/root
+    rm -rf "$ZFS_DIR/build-$kver" && mkdir -p "$hdr"
+    for pkg in "${parts[@]}"; do
+      ver=$(candidate_version bookworm "$pkg")
+      dpkg -x "$(compgen -G "$DEBS_DIR/${pkg}_${ver//:/%3a}_*.deb" | head -n 1)" "$hdr"
+    done
+    # The arch headers' Makefile includes the common tree by absolute path.
+    sed -i "s|/usr/src/|$hdr/usr/src/|" "$hdr/usr/src/linux-headers-$kver/Makefile"
+    cp -a "$src" "$ZFS_DIR/build-$kver/zfs"
+    log "zfs: building the $ZFS_VERSION module for $kver (a few minutes)"
+    (
+      cd "$ZFS_DIR/build-$kver/zfs" &&
+        ./configure --with-config=kernel --with-linux="$hdr/usr/src/linux-headers-${kver%-amd64}-common" \
+          --with-linux-obj="$hdr/usr/src/linux-headers-$kver" &&
+        make -j"$(nproc)" -C module
+    ) >"$ZFS_DIR/build-$kver.log" 2>&1 || die "zfs: module build for $kver failed (see $ZFS_DIR/build-$kver.log)"
+    rm -rf "$built" && mkdir -p "$built"
+    find "$ZFS_DIR/build-$kver/zfs/module" -name '*.ko' -exec cp {} "$built/" \;
+    rm -rf "$ZFS_DIR/build-$kver"
+    touch "$built/.ready"
+  fi
+  if [[ $(cat "$kdir/zfs.ready" 2>/dev/null) != "$ZFS_VERSION" ]]; then
+    rm -rf "$kdir/root/lib/modules/$kver/updates/zfs"
+    mkdir -p "$kdir/root/lib/modules/$kver/updates/zfs"
+    cp "$built"/*.ko "$kdir/root/lib/modules/$kver/updates/zfs/"
+    depmod -b "$kdir/root" "$kver"
+    printf '%s\n' "$ZFS_VERSION" >"$kdir/zfs.ready"
+  fi
+  log "zfs: $ZFS_VERSION module ready for $label ($kver)"
+}
+
 # ---------------------------------------------------------------- kernel trees
 
 # extract_vmlinux BZIMAGE OUT: decompress the payload of a bzImage to an ELF vmlinux
@@ -298,6 +427,12 @@ main() {
   for label in "${LABELS[@]}"; do
     prepare_kernel "$label"
   done
+  if [[ ${KERNEL_LANE_ZFS:-1} != 0 ]]; then
+    prepare_zfs_sources
+    for label in "${LABELS[@]}"; do
+      prepare_zfs "$label"
+    done
+  fi
   prune_stale
   for label in "${RESOLVED[@]}"; do
     log "kernel $label"

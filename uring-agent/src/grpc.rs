@@ -58,6 +58,7 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
             BackendError::NotFound { .. } => R::VolumeNotFound,
             BackendError::NotOwned { .. }
             | BackendError::Busy { .. }
+            | BackendError::HasDependents { .. }
             | BackendError::InvalidConfig { .. }
             | BackendError::PoolMissing { .. }
             | BackendError::SnapshotsUnsupported { .. } => R::BackendRefused,

@@ -438,6 +438,16 @@ impl Agent {
                 });
             }
         }
+        // Refused before the lifecycle ends: a volume a snapshot or clone depends on stays
+        // usable. Snapshots and clones of it take this volume's lock, so none appears between
+        // this check and the delete.
+        if let Some(dependent) = backend.deletion_blocked_by(volume).await? {
+            return Err(BackendError::HasDependents {
+                volume: volume.clone(),
+                dependent,
+            }
+            .into());
+        }
         self.commit(volume, decision).await?;
         Ok(backend.delete(volume).await?)
     }

@@ -28,6 +28,24 @@ const LIST: [&str; 9] = [
     "tank/pillar",
 ];
 
+const SNAPS: [&str; 9] = [
+    "list",
+    "-Hp",
+    "-t",
+    "snapshot",
+    "-o",
+    "name,volsize,creation,guid,defer_destroy,clones,io.pillar-csi:owner",
+    "-d",
+    "2",
+    "tank/pillar",
+];
+
+/// A `SNAPS` row: name, volsize 1 GiB, creation, guid, defer_destroy, clones, owner.
+fn snap_row(name: &str, deferred: bool, clones: &str, owner: &str) -> String {
+    let defer = if deferred { "on" } else { "off" };
+    format!("{name}\t{GIB}\t1764000000\t42\t{defer}\t{clones}\t{owner}\n")
+}
+
 fn ok(stdout: &str) -> Reply {
     Reply::Stdout(stdout.to_owned())
 }
@@ -176,6 +194,7 @@ async fn expand_grows_refuses_to_shrink_and_knows_missing_volumes() {
 async fn delete_destroys_and_is_idempotent() {
     let f = Fixture::new();
     f.expect(&LIST, ok("tank/pillar/pvc-1\t1073741824\tpillar\n"))
+        .expect(&SNAPS, ok(""))
         .expect(&["destroy", "tank/pillar/pvc-1"], ok(""))
         .expect(&LIST, ok(""));
     f.backend.delete(&vol("pvc-1")).await.unwrap();
@@ -365,4 +384,295 @@ async fn a_zvol_device_that_does_not_appear_is_an_error() {
     let err = backend.lookup(&vol("pvc-1")).await.unwrap_err();
     assert!(matches!(err, BackendError::DeviceMissing { .. }), "{err:?}");
     assert_eq!(runner.remaining(), 0);
+}
+
+// --- snapshots and clones (issue 12) ---
+
+const PVC1: &str = "tank/pillar/pvc-1\t1073741824\tpillar\n";
+
+#[tokio::test]
+async fn a_snapshot_is_a_marked_zfs_snapshot_of_the_source_zvol() {
+    let f = Fixture::new();
+    let cut = snap_row("tank/pillar/pvc-1@snap-1", false, "-", "pillar-snapshot");
+    f.expect(&SNAPS, ok(""))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(""))
+        .expect(
+            &[
+                "snapshot",
+                "-o",
+                "io.pillar-csi:owner=pillar-snapshot",
+                "tank/pillar/pvc-1@snap-1",
+            ],
+            ok(""),
+        )
+        .expect(&SNAPS, ok(&cut))
+        // A retry finds it and cuts nothing.
+        .expect(&SNAPS, ok(&cut));
+    let info = f
+        .backend
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .await
+        .unwrap();
+    assert_eq!(info.size_bytes, GIB);
+    assert_eq!(info.method, Some("zfs"));
+    assert_eq!(
+        info.created,
+        std::time::UNIX_EPOCH + Duration::from_secs(1_764_000_000)
+    );
+    let again = f
+        .backend
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .await
+        .unwrap();
+    assert_eq!((again.created, again.method), (info.created, None));
+}
+
+// A deleted snapshot kept for its restored volumes is gone for lookups, and a new snapshot of
+// the same ID moves it aside rather than failing on the name.
+#[tokio::test]
+async fn a_deleted_snapshot_kept_for_its_clones_is_invisible_and_frees_its_name() {
+    let f = Fixture::new();
+    let kept = snap_row(
+        "tank/pillar/pvc-1@snap-1",
+        true,
+        "tank/pillar/pvc-2",
+        "pillar-snapshot",
+    );
+    f.expect(&SNAPS, ok(&kept));
+    assert!(
+        f.backend
+            .lookup_snapshot(&vol("snap-1"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    f.expect(&SNAPS, ok(&kept))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(&kept))
+        .expect(
+            &[
+                "rename",
+                "tank/pillar/pvc-1@snap-1",
+                "tank/pillar/pvc-1@deleted:snap-1:42",
+            ],
+            ok(""),
+        )
+        .expect(
+            &[
+                "snapshot",
+                "-o",
+                "io.pillar-csi:owner=pillar-snapshot",
+                "tank/pillar/pvc-1@snap-1",
+            ],
+            ok(""),
+        )
+        .expect(
+            &SNAPS,
+            ok(&snap_row(
+                "tank/pillar/pvc-1@snap-1",
+                false,
+                "-",
+                "pillar-snapshot",
+            )),
+        );
+    f.backend
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn delete_snapshot_defers_to_its_clones_and_a_foreign_snapshot_is_left_alone() {
+    let f = Fixture::new();
+    let live = snap_row(
+        "tank/pillar/pvc-1@snap-1",
+        false,
+        "tank/pillar/pvc-2",
+        "pillar-snapshot",
+    );
+    f.expect(&SNAPS, ok(&live))
+        .expect(&["destroy", "-d", "tank/pillar/pvc-1@snap-1"], ok(""))
+        .expect(&SNAPS, ok(""));
+    f.backend.delete_snapshot(&vol("snap-1")).await.unwrap();
+    f.backend.delete_snapshot(&vol("snap-1")).await.unwrap();
+    f.expect(
+        &SNAPS,
+        ok(&snap_row("tank/pillar/pvc-1@snap-9", false, "-", "-")),
+    );
+    let err = f.backend.delete_snapshot(&vol("snap-9")).await.unwrap_err();
+    assert!(matches!(err, BackendError::NotOwned { .. }), "{err:?}");
+}
+
+// proves issue 12 item 3: a zvol is not destroyed while a snapshot or a clone depends on it, and
+// the refusal names the dependent.
+#[tokio::test]
+async fn deleting_a_zvol_with_dependents_is_refused_naming_them() {
+    let f = Fixture::new();
+    let cases = [
+        (
+            snap_row("tank/pillar/pvc-1@snap-1", false, "-", "pillar-snapshot"),
+            "snapshot snap-1",
+        ),
+        (
+            snap_row(
+                "tank/pillar/pvc-1@clone:pvc-3",
+                true,
+                "tank/pillar/pvc-3",
+                "pillar-clone-origin",
+            ),
+            "volume pvc-3 (cloned from it)",
+        ),
+        (
+            snap_row(
+                "tank/pillar/pvc-1@snap-1",
+                true,
+                "tank/pillar/pvc-2",
+                "pillar-snapshot",
+            ),
+            "volume pvc-2 (restored from its deleted snapshot snap-1)",
+        ),
+        (
+            snap_row("tank/pillar/pvc-1@manual", false, "-", "-"),
+            "snapshot tank/pillar/pvc-1@manual (not pillar's)",
+        ),
+    ];
+    for (row, named) in cases {
+        f.expect(&LIST, ok(PVC1)).expect(&SNAPS, ok(&row));
+        let err = f.backend.delete(&vol("pvc-1")).await.unwrap_err();
+        let BackendError::HasDependents { dependent, .. } = &err else {
+            panic!("{err:?}");
+        };
+        assert_eq!(dependent, named);
+    }
+    // Another zvol's snapshot is no dependent; an unused clone origin is cleaned up.
+    let rows = snap_row("tank/pillar/pvc-2@snap-2", false, "-", "pillar-snapshot")
+        + &snap_row(
+            "tank/pillar/pvc-1@clone:pvc-3",
+            false,
+            "-",
+            "pillar-clone-origin",
+        );
+    f.expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(&rows))
+        .expect(&["destroy", "tank/pillar/pvc-1@clone:pvc-3"], ok(""))
+        .expect(&["destroy", "tank/pillar/pvc-1"], ok(""));
+    f.backend.delete(&vol("pvc-1")).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restore_is_a_clone_of_the_snapshot_grown_to_size_and_never_smaller() {
+    let f = Fixture::new();
+    let cut = snap_row("tank/pillar/pvc-1@snap-1", false, "-", "pillar-snapshot");
+    let from = pillar_agent::backend::ContentSource::Snapshot(vol("snap-1"));
+    f.expect(&LIST, ok(PVC1)).expect(&SNAPS, ok(&cut));
+    let err = f
+        .backend
+        .create_from(&vol("pvc-2"), GIB / 2, &from)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::SmallerThanSource { .. }),
+        "{err:?}"
+    );
+    f.expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(&cut))
+        .expect(
+            &[
+                "clone",
+                "-o",
+                "volmode=dev",
+                "-o",
+                "io.pillar-csi:owner=pillar",
+                "tank/pillar/pvc-1@snap-1",
+                "tank/pillar/pvc-2",
+            ],
+            ok(""),
+        )
+        .expect(&["set", "volsize=2147483648", "tank/pillar/pvc-2"], ok(""));
+    let info = f
+        .backend
+        .create_from(&vol("pvc-2"), 2 * GIB, &from)
+        .await
+        .unwrap();
+    assert_eq!(info.size_bytes, 2 * GIB);
+}
+
+// A clone of a volume goes through a hidden snapshot marked for destruction with its clone; a
+// retry after a crash between the clone and that mark finishes it.
+#[tokio::test]
+async fn a_clone_uses_a_hidden_origin_that_goes_with_it() {
+    let f = Fixture::new();
+    let from = pillar_agent::backend::ContentSource::Volume(vol("pvc-1"));
+    let origin = snap_row(
+        "tank/pillar/pvc-1@clone:pvc-3",
+        false,
+        "tank/pillar/pvc-3",
+        "pillar-clone-origin",
+    );
+    f.expect(&LIST, ok(PVC1))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(""))
+        .expect(
+            &[
+                "snapshot",
+                "-o",
+                "io.pillar-csi:owner=pillar-clone-origin",
+                "tank/pillar/pvc-1@clone:pvc-3",
+            ],
+            ok(""),
+        )
+        .expect(
+            &[
+                "clone",
+                "-o",
+                "volmode=dev",
+                "-o",
+                "io.pillar-csi:owner=pillar",
+                "tank/pillar/pvc-1@clone:pvc-3",
+                "tank/pillar/pvc-3",
+            ],
+            ok(""),
+        )
+        .expect(&SNAPS, ok(&origin))
+        .expect(&["destroy", "-d", "tank/pillar/pvc-1@clone:pvc-3"], ok(""));
+    f.backend
+        .create_from(&vol("pvc-3"), GIB, &from)
+        .await
+        .unwrap();
+    // The retry: the clone exists, its origin was not yet marked.
+    let both = format!("{PVC1}tank/pillar/pvc-3\t1073741824\tpillar\n");
+    f.expect(&LIST, ok(&both))
+        .expect(&SNAPS, ok(&origin))
+        .expect(&["destroy", "-d", "tank/pillar/pvc-1@clone:pvc-3"], ok(""))
+        .expect(&LIST, ok(&both));
+    f.backend
+        .create_from(&vol("pvc-3"), GIB, &from)
+        .await
+        .unwrap();
+}
+
+// A zvol just released by nvmet can be held for a moment by udev's probe: the destroy is retried
+// while ZFS says busy, and any other failure (or a zvol busy for good) is reported.
+#[tokio::test]
+async fn a_busy_zvol_destroy_is_retried_then_reported() {
+    let f = Fixture::new();
+    let busy = || Reply::Fail {
+        code: 1,
+        stderr: "cannot destroy 'tank/pillar/pvc-1': dataset is busy".into(),
+    };
+    f.expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(""))
+        .expect(&["destroy", "tank/pillar/pvc-1"], busy())
+        .expect(&["destroy", "tank/pillar/pvc-1"], ok(""));
+    f.backend.delete(&vol("pvc-1")).await.unwrap();
+    f.expect(&LIST, ok(PVC1)).expect(&SNAPS, ok(""));
+    for _ in 0..10 {
+        f.expect(&["destroy", "tank/pillar/pvc-1"], busy());
+    }
+    let err = f.backend.delete(&vol("pvc-1")).await.unwrap_err();
+    assert!(
+        err.source().unwrap().to_string().contains("busy"),
+        "{err:?}"
+    );
 }

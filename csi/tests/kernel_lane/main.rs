@@ -46,13 +46,17 @@
 //! 12. lvm-thin snapshots: data written through NVMe/TCP, a snapshot cut with the host
 //!     connected, more writes; a restore holds exactly the data at the cut, a clone the data
 //!     after; deletes in the orders thin LVM allows, refusals where the rules forbid
+//! 13. zfs on the real OpenZFS module (the kernels it supports): create, export, I/O, online
+//!     expansion, snapshot, restore, clone through NVMe/TCP; deletes in every order, refused
+//!     while a snapshot or clone depends on the zvol
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
-//! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers),
+//! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers), [`attach`] (NVMe/TCP attach of scenarios 12 and 13),
 //! [`reboot`] (the storage-node reboot of scenarios 3 and 4), and one module per scenario, named
 //! as its test (libtest paths are `<scenario>::<scenario>`; name filters such as `s3_` match).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+mod attach;
 mod harness;
 mod lvm;
 mod reboot;
@@ -60,6 +64,7 @@ mod reboot;
 mod s10_reservations;
 mod s11_density;
 mod s12_lvm_thin_snapshots;
+mod s13_zfs;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;

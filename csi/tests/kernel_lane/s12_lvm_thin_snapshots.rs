@@ -1,121 +1,20 @@
 //! Scenario 12: snapshots, restores and clones of the lvm-thin backend on device-mapper, with
 //! the data written and read through NVMe/TCP.
 
-use std::fs;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
-
 use pillar_agent_api::v1 as agent_api;
-use pillar_agent_api::v1::agent_client::AgentClient;
 use pillar_agent_api::{ErrorReason, reason_of};
-use pillar_nvmet::HostNqn;
 use tonic::Code;
-use tonic::transport::Channel;
 
-use crate::harness::checks::{connect_opts, host_controllers, host_device};
+use crate::attach::{attach, detach, from};
+use crate::harness::MIB;
 use crate::harness::data::pattern;
 use crate::harness::gate::{Scenario, in_lane};
-use crate::harness::lab::{Lab, host_paths};
-use crate::harness::machine::{drop_caches, write_attr};
-use crate::harness::{ETC_HOSTID, ETC_HOSTNQN, MIB, PORT};
+use crate::harness::lab::Lab;
+use crate::harness::machine::drop_caches;
 use crate::lvm::{Lifecycle, S8_THIN_POOL, ScratchVg, find_lv, lvs, read_at, write_at};
 
 const VG: &str = "pillar-s12";
 const POOL: &str = "thin";
-
-/// The host's view of one exported volume.
-struct Attached {
-    ctrl: String,
-    dev: PathBuf,
-    size: u64,
-}
-
-async fn export(agent: &mut AgentClient<Channel>, vol: &str, life: &mut Lifecycle) {
-    agent
-        .export(agent_api::ExportRequest {
-            token: life.next(),
-            volume_id: vol.into(),
-            pool: POOL.into(),
-            protocol: Some(agent_api::ExportProtocol {
-                service: u32::from(PORT),
-                acl: false,
-            }),
-            allowed_host_nqns: vec![],
-        })
-        .await
-        .unwrap_or_else(|e| panic!("Export {vol}: {e}"));
-}
-
-fn host() -> (HostNqn, uuid::Uuid) {
-    let nqn = fs::read_to_string(ETC_HOSTNQN)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let id = fs::read_to_string(ETC_HOSTID)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    (nqn, id)
-}
-
-/// Exports `vol` and connects the host to it.
-async fn attach(agent: &mut AgentClient<Channel>, vol: &str, life: &mut Lifecycle) -> Attached {
-    export(agent, vol, life).await;
-    let (nqn, id) = host();
-    let ctrl = pillar_host::connect(&host_paths(), &connect_opts(vol, &nqn, id))
-        .unwrap_or_else(|e| panic!("connect {vol}: {e}"));
-    let dev = host_device(vol, &nqn);
-    Attached {
-        ctrl: ctrl.name,
-        dev: dev.dev_path,
-        size: dev.size_bytes,
-    }
-}
-
-/// Disconnects the host from `vol` and unexports it.
-async fn detach(agent: &mut AgentClient<Channel>, vol: &str, a: &Attached, life: &mut Lifecycle) {
-    let (nqn, _) = host();
-    write_attr(
-        &Path::new("/sys/class/nvme")
-            .join(&a.ctrl)
-            .join("delete_controller"),
-        "1",
-    )
-    .expect("disconnect");
-    let start = Instant::now();
-    while !host_controllers(vol, &nqn).is_empty() && start.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(
-        host_controllers(vol, &nqn).is_empty(),
-        "controller of {vol} left"
-    );
-    agent
-        .unexport(agent_api::UnexportRequest {
-            token: life.next(),
-            volume_id: vol.into(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("Unexport {vol}: {e}"));
-}
-
-fn from(
-    snapshot: Option<&str>,
-    volume: Option<&str>,
-    uid: &str,
-) -> Option<agent_api::ContentSource> {
-    use agent_api::content_source::Source;
-    Some(agent_api::ContentSource {
-        source: Some(match (snapshot, volume) {
-            (Some(s), _) => Source::SnapshotId(s.into()),
-            (None, Some(v)) => Source::VolumeId(v.into()),
-            (None, None) => unreachable!("a source names a snapshot or a volume"),
-        }),
-        lifecycle_uid: uid.into(),
-    })
-}
 
 fn lv_names() -> Vec<String> {
     let mut names: Vec<String> = lvs(VG).into_iter().map(|l| l.name).collect();
@@ -167,7 +66,7 @@ async fn s12_lvm_thin_snapshots() {
         })
         .await
         .expect("CreateVolume");
-    let a = attach(&mut agent, "kl-s12-src", &mut src).await;
+    let a = attach(&mut agent, POOL, "kl-s12-src", &mut src).await;
     let mib = usize::try_from(MIB).unwrap();
     let (before_head, before_tail) = (pattern(1200, mib), pattern(1201, mib));
     write_at(&a.dev, 0, &before_head);
@@ -306,13 +205,13 @@ async fn s12_lvm_thin_snapshots() {
              tagged pillar, active; a restore smaller than the snapshot OUT_OF_RANGE",
     );
 
-    let r_att = attach(&mut agent, "kl-s12-restored", &mut restored).await;
+    let r_att = attach(&mut agent, POOL, "kl-s12-restored", &mut restored).await;
     assert_eq!(
         r_att.size,
         48 * MIB,
         "the host sees the restored volume's size"
     );
-    let c_att = attach(&mut agent, "kl-s12-cloned", &mut cloned).await;
+    let c_att = attach(&mut agent, POOL, "kl-s12-cloned", &mut cloned).await;
     drop_caches();
     assert!(
         read_at(&r_att.dev, 0, mib) == before_head,

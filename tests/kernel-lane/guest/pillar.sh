@@ -10,6 +10,7 @@
 # - nvme_core is loaded with multipath=N first, so every controller gets its own block device
 #   (two host identities in one guest see two devices; scenario 5).
 # - configfs, nvmet, nvmet-tcp, nvme-tcp, loop, ext4, xfs; configfs mounted; lo up.
+# - zfs (PILLAR_LANE_ZFS_USERLAND set by run.sh) for the ZFS scenario (s13).
 # - dm-mod and dm-thin-pool for the LVM scenario (s8; the host's lvm binaries run in the guest).
 #   There is no udevd in the guest: DM_DISABLE_UDEV=1 (inherited by the test binary, the agent
 #   and its lvm commands) makes libdevmapper and LVM create /dev/mapper/* and /dev/<vg>/<lv>
@@ -41,6 +42,18 @@ modprobe -a configfs nvmet nvmet-tcp nvme-tcp nvme-fabrics loop ext4 xfs || { sa
 say "modules loaded; nvme_core multipath=$(cat /sys/module/nvme_core/parameters/multipath)"
 # Only scenario 8 needs device-mapper: a kernel without it fails that scenario, not the others.
 modprobe -a dm-mod dm-thin-pool || say "WARNING: modprobe dm-mod dm-thin-pool failed: the LVM scenario will fail"
+
+# ZFS for scenario 13, where run.sh found a module for this kernel: the userland unpacked by
+# setup.sh runs from the lane state; the ARC is kept small in the guest's 1 GiB.
+if [[ -n ${PILLAR_LANE_ZFS_USERLAND:-} ]]; then
+  if modprobe zfs zfs_arc_max=$((64 << 20)); then
+    export PATH=$PILLAR_LANE_ZFS_USERLAND/sbin:$PATH
+    export LD_LIBRARY_PATH=$PILLAR_LANE_ZFS_USERLAND/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    say "zfs $(cat /sys/module/zfs/version) loaded; userland from $PILLAR_LANE_ZFS_USERLAND"
+  else
+    say "WARNING: modprobe zfs failed: the ZFS scenario will fail"
+  fi
+fi
 
 mountpoint -q /sys/kernel/config || mount -t configfs configfs /sys/kernel/config || { say "mount configfs failed"; exit 2; }
 [[ -d /sys/kernel/config/nvmet ]] || { say "no /sys/kernel/config/nvmet"; exit 2; }

@@ -130,7 +130,7 @@ pub struct Capacity {
 /// Invalid input: [`InvalidSize`](Self::InvalidSize), [`SizeUnsupported`](Self::SizeUnsupported),
 /// [`UnsupportedName`](Self::UnsupportedName), [`ShrinkRefused`](Self::ShrinkRefused).
 /// Conflicts with what exists: [`SizeMismatch`](Self::SizeMismatch),
-/// [`NotOwned`](Self::NotOwned), [`Busy`](Self::Busy). Absent: [`NotFound`](Self::NotFound).
+/// [`NotOwned`](Self::NotOwned), [`Busy`](Self::Busy), [`HasDependents`](Self::HasDependents). Absent: [`NotFound`](Self::NotFound).
 /// Configuration: [`InvalidConfig`](Self::InvalidConfig). Everything else is internal.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -210,6 +210,8 @@ pub enum BackendError {
         backend: &'static str,
         reason: &'static str,
     },
+    #[error("volume {volume} cannot be deleted while {dependent} depends on it")]
+    HasDependents { volume: VolumeId, dependent: String },
     #[error("snapshot {snapshot} does not exist")]
     SnapshotNotFound { snapshot: VolumeId },
     #[error("volume {volume} of {requested} bytes cannot hold its source of {source_bytes} bytes")]
@@ -355,6 +357,18 @@ impl Backend {
             Self::Lvm(b) => b.list().await,
             Self::Zfs(b) => b.list().await,
             Self::PlainFile(b) => b.list().await,
+        }
+    }
+
+    /// What keeps `volume` from being deleted (a snapshot or clone its backend ties to it:
+    /// ZFS only; file copies and thin snapshots stand alone), named for the operator.
+    pub async fn deletion_blocked_by(
+        &self,
+        volume: &VolumeId,
+    ) -> Result<Option<String>, BackendError> {
+        match self {
+            Self::Zfs(b) => b.deletion_blocked_by(volume).await,
+            Self::File(_) | Self::PlainFile(_) | Self::Lvm(_) => Ok(None),
         }
     }
 

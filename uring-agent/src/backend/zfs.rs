@@ -5,6 +5,13 @@
 //! Reads use scripting output (`zfs list -H -p`: tab-separated, no header, exact numbers);
 //! only zvols directly under the parent that carry the owner property are listed, grown or
 //! destroyed. A zvol of that name without it is [`BackendError::NotOwned`].
+//!
+//! Snapshots are `<zvol>@<snapshot-id>` marked [`SNAPSHOT_OWNER`]; restores are `zfs clone`s
+//! of them and clones `zfs clone`s of a hidden `<zvol>@clone:<clone>` snapshot. ZFS ties
+//! them together: a zvol is destroyed only once no snapshot and no clone depends on it
+//! ([`BackendError::HasDependents`] names which does), a deleted snapshot with restored
+//! volumes stays (`defer_destroy`) until they are gone, invisible to lookups. Restored and
+//! cloned zvols share blocks with their origin and are not thick: they reserve no space.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,7 +19,7 @@ use std::time::Duration;
 
 use pillar_nvmet::VolumeId;
 
-use super::command::CommandRunner;
+use super::command::{CommandError, CommandRunner};
 use super::{
     BackendError, Capacity, ContentSource, SnapshotInfo, VolumeInfo, checked_size, round_up,
     wait_for_device,
@@ -27,12 +34,28 @@ pub const OWNER_PROPERTY: &str = "io.pillar-csi:owner";
 /// The value of [`OWNER_PROPERTY`] on pillar's zvols.
 pub const OWNER_VALUE: &str = "pillar";
 
+/// The value of [`OWNER_PROPERTY`] on snapshots pillar cut for CreateSnapshot.
+pub const SNAPSHOT_OWNER: &str = "pillar-snapshot";
+
+/// The value of [`OWNER_PROPERTY`] on the hidden snapshot a clone is made from.
+pub const CLONE_ORIGIN_OWNER: &str = "pillar-clone-origin";
+
+/// Hidden clone origins are `<source>@clone:<clone>`, deleted snapshots moved aside to free
+/// their name `<zvol>@deleted:<id>:<guid>`: ':' is valid in ZFS names and never in a volume
+/// or snapshot ID, so neither can take a snapshot's name.
+const CLONE_ORIGIN_PREFIX: &str = "clone:";
+const RETIRED_PREFIX: &str = "deleted:";
+
 /// Allocation granularity: 16 KiB, OpenZFS's default `volblocksize` since 2.2 and a multiple
 /// of the 8 KiB default before it (`volsize` must be a multiple of `volblocksize`).
 pub const GRANULARITY: u64 = 16 << 10;
 
 /// Longest dataset name ZFS accepts (ZFS_MAX_DATASET_NAME_LEN - 1).
 const DATASET_NAME_MAX: usize = 255;
+
+/// A zvol destroy ZFS calls busy is tried this many times, [`BUSY_PAUSE`] apart.
+const BUSY_ATTEMPTS: u32 = 10;
+const BUSY_PAUSE: Duration = Duration::from_millis(300);
 
 /// How long to wait for udev to create `/dev/zvol/...` after a create.
 const DEVICE_WAIT: Duration = Duration::from_secs(10);
@@ -46,6 +69,59 @@ pub struct ZfsBackend {
     device_wait: Option<Duration>,
 }
 
+/// One line of `zfs list -Hp -t snapshot` (see [`ZfsBackend::snapshots`]).
+#[derive(Debug)]
+struct SnapRow {
+    /// The zvol the snapshot is of.
+    zvol: String,
+    /// The part after '@'.
+    short: String,
+    volsize: u64,
+    /// Epoch seconds.
+    creation: u64,
+    guid: String,
+    /// `defer_destroy=on`: deleted, kept by ZFS for its clones.
+    deferred: bool,
+    /// Full names of the zvols cloned from it.
+    clones: Vec<String>,
+    owner: String,
+}
+
+impl SnapRow {
+    fn full(&self) -> String {
+        format!("{}@{}", self.zvol, self.short)
+    }
+
+    /// What this snapshot keeps its zvol for, named for the operator; `None` for a hidden
+    /// one nothing depends on (a deleted snapshot or clone origin without clones).
+    fn blocks_destroy(&self) -> Option<String> {
+        let hidden = self.deferred || self.owner == CLONE_ORIGIN_OWNER;
+        if hidden && self.clones.is_empty() {
+            return None;
+        }
+        let clones = || {
+            self.clones
+                .iter()
+                .map(|c| c.rsplit('/').next().unwrap_or(c))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        Some(if self.owner == CLONE_ORIGIN_OWNER {
+            format!("volume {} (cloned from it)", clones())
+        } else if self.deferred {
+            format!(
+                "volume {} (restored from its deleted snapshot {})",
+                clones(),
+                self.short
+            )
+        } else if self.owner == SNAPSHOT_OWNER {
+            format!("snapshot {}", self.short)
+        } else {
+            format!("snapshot {} (not pillar's)", self.full())
+        })
+    }
+}
+
 /// One line of `zfs list -Hp -o name,volsize,<owner>`.
 #[derive(Debug)]
 struct ZvolRow {
@@ -55,47 +131,297 @@ struct ZvolRow {
 }
 
 impl ZfsBackend {
-    // `zfs snapshot` and clones (a clone depends on its snapshot, which depends on its zvol)
-    // are the plan; not built yet, so every snapshot call says so.
-    fn no_snapshots(&self) -> BackendError {
-        BackendError::SnapshotsUnsupported {
-            pool: self.pool.clone(),
-            backend: "zfs",
-            reason: "snapshots of zfs pools are not built yet",
-        }
-    }
-
-    /// Whether this pool takes snapshots and clones.
+    /// Whether this pool takes snapshots and clones: ZFS pools always do.
     pub fn snapshots_supported(&self) -> Result<(), BackendError> {
-        Err(self.no_snapshots())
-    }
-
-    pub async fn create_snapshot(
-        &self,
-        _source: &VolumeId,
-        _snapshot: &VolumeId,
-    ) -> Result<SnapshotInfo, BackendError> {
-        Err(self.no_snapshots())
-    }
-
-    pub async fn lookup_snapshot(
-        &self,
-        _snapshot: &VolumeId,
-    ) -> Result<Option<SnapshotInfo>, BackendError> {
-        Ok(None)
-    }
-
-    pub async fn delete_snapshot(&self, _snapshot: &VolumeId) -> Result<(), BackendError> {
         Ok(())
     }
 
+    /// Cuts `<parent>/<source>@<snapshot>`, marked [`OWNER_PROPERTY`]`=`[`SNAPSHOT_OWNER`].
+    /// A ZFS snapshot is atomic (taken at a transaction group boundary), so a snapshot of a
+    /// zvol being written is crash-consistent.
+    pub async fn create_snapshot(
+        &self,
+        source: &VolumeId,
+        snapshot: &VolumeId,
+    ) -> Result<SnapshotInfo, BackendError> {
+        if let Some(existing) = self.lookup_snapshot(snapshot).await? {
+            return Ok(existing);
+        }
+        let zvol = self.dataset(source)?;
+        let full = self.snapshot_name(&zvol, snapshot.as_str(), snapshot)?;
+        let Some(row) = self.find(&zvol).await? else {
+            return Err(BackendError::NotFound {
+                volume: source.clone(),
+            });
+        };
+        self.owned(source, row)?;
+        // A deleted snapshot that ZFS keeps for its restored volumes may still hold the name.
+        for old in self.snapshots().await? {
+            if old.zvol == zvol && old.short == snapshot.as_str() && old.deferred {
+                let aside = format!("{zvol}@{RETIRED_PREFIX}{}:{}", old.short, old.guid);
+                let args = ["rename", &old.full(), &aside].map(String::from);
+                self.run("zfs rename (deleted snapshot)", &args).await?;
+            }
+        }
+        let args = [
+            "snapshot",
+            "-o",
+            &format!("{OWNER_PROPERTY}={SNAPSHOT_OWNER}"),
+            &full,
+        ]
+        .map(String::from);
+        self.run("zfs snapshot", &args).await?;
+        tracing::info!(%source, %snapshot, %full, method = "zfs", "cut snapshot");
+        let mut info = self.lookup_snapshot(snapshot).await?.ok_or_else(|| {
+            BackendError::SnapshotNotFound {
+                snapshot: snapshot.clone(),
+            }
+        })?;
+        info.method = Some("zfs");
+        Ok(info)
+    }
+
+    /// The snapshot, or `None` (a deleted one that ZFS keeps for its clones is `None`).
+    pub async fn lookup_snapshot(
+        &self,
+        snapshot: &VolumeId,
+    ) -> Result<Option<SnapshotInfo>, BackendError> {
+        Ok(self.find_snapshot(snapshot).await?.map(|row| SnapshotInfo {
+            snapshot: snapshot.clone(),
+            size_bytes: row.volsize,
+            created: std::time::UNIX_EPOCH + Duration::from_secs(row.creation),
+            method: None,
+        }))
+    }
+
+    /// `zfs destroy -d`: with no restored volumes the snapshot goes at once; with some, ZFS
+    /// marks it `defer_destroy` and removes it when the last of them is destroyed. Either way
+    /// it is gone for CSI. `Ok` if it does not exist.
+    pub async fn delete_snapshot(&self, snapshot: &VolumeId) -> Result<(), BackendError> {
+        let Some(row) = self.find_snapshot(snapshot).await? else {
+            return Ok(());
+        };
+        let args = ["destroy", "-d", &row.full()].map(String::from);
+        self.run("zfs destroy (snapshot)", &args).await?;
+        if row.clones.is_empty() {
+            tracing::info!(%snapshot, full = %row.full(), "destroyed snapshot");
+        } else {
+            tracing::info!(%snapshot, full = %row.full(), clones = ?row.clones,
+                "snapshot deleted; ZFS keeps it until the volumes restored from it are deleted");
+        }
+        Ok(())
+    }
+
+    /// Creates `volume` as a `zfs clone` of a snapshot (restore) or of a hidden snapshot
+    /// `<source>@clone:<volume>` (clone, destroyed with `-d` at once so it goes with the
+    /// clone), grown to `size_bytes` if larger. A clone shares its origin's blocks: the
+    /// origin zvol cannot be destroyed while it lives ([`BackendError::HasDependents`]).
     pub async fn create_from(
         &self,
-        _volume: &VolumeId,
-        _size_bytes: u64,
-        _source: &ContentSource,
+        volume: &VolumeId,
+        size_bytes: u64,
+        source: &ContentSource,
     ) -> Result<VolumeInfo, BackendError> {
-        Err(self.no_snapshots())
+        let name = self.dataset(volume)?;
+        let size = checked_size(size_bytes, GRANULARITY)?;
+        if let Some(row) = self.find(&name).await? {
+            // A retry: finish what the first call may have left undone.
+            let row = self.owned(volume, row)?;
+            if let ContentSource::Volume(id) = source {
+                self.defer_clone_origin(&self.dataset(id)?, volume).await?;
+            }
+            if row.volsize < size {
+                return self.expand(volume, size).await;
+            }
+            return self.create(volume, size).await;
+        }
+        let (origin, source_bytes) = match source {
+            ContentSource::Snapshot(id) => {
+                let row = self.find_snapshot(id).await?.ok_or_else(|| {
+                    BackendError::SnapshotNotFound {
+                        snapshot: id.clone(),
+                    }
+                })?;
+                (row.full(), row.volsize)
+            }
+            ContentSource::Volume(id) => {
+                let zvol = self.dataset(id)?;
+                let row = self
+                    .find(&zvol)
+                    .await?
+                    .ok_or_else(|| BackendError::NotFound { volume: id.clone() })?;
+                let row = self.owned(id, row)?;
+                (self.clone_origin(&zvol, volume).await?, row.volsize)
+            }
+        };
+        if size < source_bytes {
+            return Err(BackendError::SmallerThanSource {
+                volume: volume.clone(),
+                source_bytes,
+                requested: size,
+            });
+        }
+        let args = [
+            "clone",
+            "-o",
+            "volmode=dev",
+            "-o",
+            &format!("{OWNER_PROPERTY}={OWNER_VALUE}"),
+            &origin,
+            &name,
+        ]
+        .map(String::from);
+        self.run("zfs clone", &args).await?;
+        tracing::info!(%volume, source = %source.id(), %origin, "cloned zvol from its source");
+        if let ContentSource::Volume(id) = source {
+            self.defer_clone_origin(&self.dataset(id)?, volume).await?;
+        }
+        if size > source_bytes {
+            let args = ["set", &format!("volsize={size}"), &name].map(String::from);
+            self.run("zfs set volsize", &args).await?;
+        }
+        self.info(volume, size).await
+    }
+
+    /// The hidden snapshot `<zvol>@clone:<clone>` a clone is made from, cut if absent.
+    async fn clone_origin(&self, zvol: &str, clone: &VolumeId) -> Result<String, BackendError> {
+        let short = format!("{CLONE_ORIGIN_PREFIX}{clone}");
+        let full = self.snapshot_name(zvol, &short, clone)?;
+        let exists = self
+            .snapshots()
+            .await?
+            .into_iter()
+            .any(|s| s.zvol == zvol && s.short == short);
+        if !exists {
+            let args = [
+                "snapshot",
+                "-o",
+                &format!("{OWNER_PROPERTY}={CLONE_ORIGIN_OWNER}"),
+                &full,
+            ]
+            .map(String::from);
+            self.run("zfs snapshot (clone origin)", &args).await?;
+        }
+        Ok(full)
+    }
+
+    /// Marks the clone's hidden origin snapshot for destruction with its clone.
+    async fn defer_clone_origin(&self, zvol: &str, clone: &VolumeId) -> Result<(), BackendError> {
+        let short = format!("{CLONE_ORIGIN_PREFIX}{clone}");
+        for row in self.snapshots().await? {
+            if row.zvol == zvol && row.short == short && !row.deferred {
+                let args = ["destroy", "-d", &row.full()].map(String::from);
+                self.run("zfs destroy -d (clone origin)", &args).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The live snapshot `snapshot` of any zvol under the parent; [`BackendError::NotOwned`]
+    /// if it is not one pillar cut.
+    async fn find_snapshot(&self, snapshot: &VolumeId) -> Result<Option<SnapRow>, BackendError> {
+        let Some(row) = self
+            .snapshots()
+            .await?
+            .into_iter()
+            .find(|r| r.short == snapshot.as_str() && !r.deferred)
+        else {
+            return Ok(None);
+        };
+        if row.owner != SNAPSHOT_OWNER {
+            return Err(BackendError::NotOwned {
+                volume: snapshot.clone(),
+                object: format!("snapshot {}", row.full()),
+                reason: "no io.pillar-csi:owner=pillar-snapshot property",
+            });
+        }
+        Ok(Some(row))
+    }
+
+    /// Why `volume` cannot be destroyed yet, if it cannot: a snapshot of it, or a clone made
+    /// from it (directly, or restored from one of its deleted snapshots). No changes.
+    pub async fn deletion_blocked_by(
+        &self,
+        volume: &VolumeId,
+    ) -> Result<Option<String>, BackendError> {
+        let zvol = self.dataset(volume)?;
+        Ok(self
+            .snapshots()
+            .await?
+            .iter()
+            .filter(|row| row.zvol == zvol)
+            .find_map(SnapRow::blocks_destroy))
+    }
+
+    /// `<zvol>@<short>`, refused past ZFS's name length limit.
+    fn snapshot_name(
+        &self,
+        zvol: &str,
+        short: &str,
+        id: &VolumeId,
+    ) -> Result<String, BackendError> {
+        let name = format!("{zvol}@{short}");
+        if name.len() > DATASET_NAME_MAX {
+            return Err(BackendError::UnsupportedName {
+                volume: id.clone(),
+                backend: "zfs",
+                reason: format!("snapshot name {name:?} exceeds {DATASET_NAME_MAX} bytes"),
+            });
+        }
+        Ok(name)
+    }
+
+    /// Snapshots of the zvols directly under the parent.
+    async fn snapshots(&self) -> Result<Vec<SnapRow>, BackendError> {
+        let fields = format!("name,volsize,creation,guid,defer_destroy,clones,{OWNER_PROPERTY}");
+        let args = [
+            "list",
+            "-Hp",
+            "-t",
+            "snapshot",
+            "-o",
+            &fields,
+            "-d",
+            "2",
+            &self.parent,
+        ]
+        .map(String::from);
+        let out = self.run("zfs list (snapshots)", &args).await?;
+        let text = report_text("zfs list (snapshots)", &out)?;
+        let prefix = format!("{}/", self.parent);
+        let mut rows = Vec::new();
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            let fields: Vec<&str> = line.split('\t').collect();
+            let bad = || BackendError::ReportValue {
+                what: "zfs list (snapshots)",
+                value: line.to_owned(),
+            };
+            let [name, volsize, creation, guid, deferred, clones, owner] = fields.as_slice() else {
+                return Err(bad());
+            };
+            let (zvol, short) = name.split_once('@').ok_or_else(bad)?;
+            if zvol
+                .strip_prefix(&prefix)
+                .is_none_or(|rest| rest.contains('/'))
+            {
+                continue;
+            }
+            rows.push(SnapRow {
+                zvol: zvol.to_owned(),
+                short: short.to_owned(),
+                volsize: parse_number("zfs list volsize (snapshot)", volsize)?,
+                creation: parse_number("zfs list creation", creation)?,
+                guid: (*guid).to_owned(),
+                deferred: *deferred == "on",
+                clones: clones
+                    .split(',')
+                    .filter(|c| !c.is_empty() && *c != "-")
+                    .map(str::to_owned)
+                    .collect(),
+                owner: (*owner).to_owned(),
+            });
+        }
+        Ok(rows)
     }
 
     /// A backend for zvols directly under dataset `parent`.
@@ -210,8 +536,25 @@ impl ZfsBackend {
             return Ok(());
         };
         self.owned(volume, row)?;
-        let args = ["destroy", &name].map(String::from);
-        self.run("zfs destroy", &args).await?;
+        let snapshots: Vec<SnapRow> = self
+            .snapshots()
+            .await?
+            .into_iter()
+            .filter(|row| row.zvol == name)
+            .collect();
+        if let Some(dependent) = snapshots.iter().find_map(SnapRow::blocks_destroy) {
+            return Err(BackendError::HasDependents {
+                volume: volume.clone(),
+                dependent,
+            });
+        }
+        // Hidden clone origins whose clone is gone (a crash before their `destroy -d`):
+        // nothing depends on them.
+        for row in snapshots.iter().filter(|r| !r.deferred) {
+            let args = ["destroy", &row.full()].map(String::from);
+            self.run("zfs destroy (unused clone origin)", &args).await?;
+        }
+        self.destroy_zvol(&name).await?;
         tracing::info!(%volume, dataset = %name, "destroyed zvol");
         Ok(())
     }
@@ -344,6 +687,32 @@ impl ZfsBackend {
             });
         }
         Ok(rows)
+    }
+
+    /// `zfs destroy` of a zvol, retried a few times while ZFS says it is busy: udev probes a
+    /// block device after the last writer closes it (the inotify watch of the persistent
+    /// storage rules), so a zvol just released by nvmet can be open for a moment.
+    async fn destroy_zvol(&self, name: &str) -> Result<(), BackendError> {
+        let args = ["destroy", name].map(String::from);
+        let mut attempt = 1;
+        loop {
+            match self.runner.run(ZFS, &args).await {
+                Ok(_) => return Ok(()),
+                Err(CommandError::Failed { stderr, .. })
+                    if stderr.contains("dataset is busy") && attempt < BUSY_ATTEMPTS =>
+                {
+                    tracing::info!(dataset = %name, attempt, "zvol busy; retrying the destroy");
+                    attempt += 1;
+                    tokio::time::sleep(BUSY_PAUSE).await;
+                }
+                Err(source) => {
+                    return Err(BackendError::Command {
+                        step: "zfs destroy",
+                        source,
+                    });
+                }
+            }
+        }
     }
 
     async fn run(&self, step: &'static str, args: &[String]) -> Result<Vec<u8>, BackendError> {
