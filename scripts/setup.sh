@@ -14,16 +14,18 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 cargo fetch --locked >/dev/null
-# A Python gRPC client (grpcio) for the test that calls the CSI socket as C-core clients do; in
-# a venv outside the checkout, reused by later runs.
+# Python tools of the tests, in a venv outside the checkout, reused by later runs: a gRPC client
+# (grpcio) for the test that calls the CSI socket as C-core clients do, and kubernetes-validate
+# for the offline check of the deploy manifests (scripts/check-manifests.py; kubectl renders).
 venv="${PILLAR_PYTHON_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/pillar/python-grpc}"
-if ! "$venv/bin/python" -c 'import grpc' 2>/dev/null; then
-  echo "setup: python venv with grpcio at $venv"
+if ! "$venv/bin/python" -c 'import grpc, kubernetes_validate' 2>/dev/null; then
+  echo "setup: python venv with grpcio and kubernetes-validate at $venv"
   if ! python3 -m venv --clear "$venv" >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv >/dev/null \
       || { apt-get update >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv >/dev/null; }
     python3 -m venv --clear "$venv"
   fi
-  "$venv/bin/pip" install --quiet --disable-pip-version-check grpcio
+  "$venv/bin/pip" install --quiet --disable-pip-version-check grpcio kubernetes-validate
 fi
+command -v kubectl >/dev/null || echo "setup: WARNING: no kubectl: the manifest test fails (it renders deploy/ with kubectl kustomize)"
 echo "setup: done"

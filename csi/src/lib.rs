@@ -12,6 +12,7 @@ pub mod csi {
 
 pub mod agents;
 pub mod capability;
+pub mod cli;
 pub mod context;
 pub mod controller;
 pub mod identity;

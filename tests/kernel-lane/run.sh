@@ -25,7 +25,7 @@
 #   PILLAR_LANE_ENGINE    agent engine in the guest: io_uring (default) or sync
 # The ZFS scenario (s13) runs on the kernels setup.sh built a ZFS module for; on a kernel the
 # ZFS release does not support it is left out and the summary says so (NOT-RUN, with why).
-#   VM_MEM, VM_TIMEOUT, ... as for vm.sh (defaults here: VM_MEM 1024, VM_TIMEOUT 1200: thirteen
+#   VM_MEM, VM_TIMEOUT, ... as for vm.sh (defaults here: VM_MEM 1024, VM_TIMEOUT 1200: fourteen
 #   scenarios take 450-560 s per kernel under TCG on a busy two-core machine)
 set -euo pipefail
 

@@ -12,6 +12,7 @@
 
 pub mod backend;
 pub mod blocking;
+pub mod cli;
 pub mod engine;
 pub mod fence;
 pub mod grpc;

@@ -1,0 +1,70 @@
+//! `pillar-csi`'s command line, in the library so that a test parses the deploy manifests'
+//! `args` with the parser the binary uses (a renamed flag fails that test).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "pillar CSI plugin: the controller or the node plugin"
+)]
+pub struct Args {
+    #[command(subcommand)]
+    pub mode: Mode,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Mode {
+    /// The CSI controller (Identity + Controller services).
+    Controller {
+        /// CSI endpoint.
+        #[arg(long, default_value = "unix:///csi/csi.sock")]
+        endpoint: String,
+        /// Keep records in a local directory instead of the Kubernetes API (no Kubernetes).
+        #[arg(long)]
+        embedded_store: Option<PathBuf>,
+        /// The controller's client certificate towards agents (PEM).
+        #[arg(long, requires = "agent_client_key")]
+        agent_client_cert: Option<PathBuf>,
+        /// Its private key (PEM).
+        #[arg(long)]
+        agent_client_key: Option<PathBuf>,
+        /// Allow plaintext connections (TCP or a unix socket) to agents whose PillarAgent has no
+        /// TLS settings.
+        #[arg(long)]
+        agent_insecure_plaintext: bool,
+        /// How often agents are checked for a restart needing a resync, in seconds.
+        #[arg(long, default_value_t = 5)]
+        resync_interval_secs: u64,
+    },
+    /// The CSI node plugin (Identity + Node services).
+    Node {
+        #[arg(long, default_value = "unix:///csi/csi.sock")]
+        endpoint: String,
+        /// This node's Kubernetes name.
+        #[arg(long, env = "NODE_NAME")]
+        node_name: String,
+        /// Stage records live here.
+        #[arg(long, default_value = "/var/lib/pillar/node")]
+        state_dir: PathBuf,
+        /// The node's NVMe host NQN file.
+        #[arg(long, default_value = "/etc/nvme/hostnqn")]
+        hostnqn_file: PathBuf,
+        /// The node's NVMe host ID file.
+        #[arg(long, default_value = "/etc/nvme/hostid")]
+        hostid_file: PathBuf,
+        /// A topology segment this node reports, `KEY=VALUE` (repeatable; e.g.
+        /// `topology.pillar-csi.io/zone=a`, matching the PillarAgents' `spec.topology`).
+        #[arg(long = "topology", value_parser = parse_segment)]
+        topology: Vec<(String, String)>,
+    },
+}
+
+pub fn parse_segment(raw: &str) -> Result<(String, String), String> {
+    match raw.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{raw:?} is not KEY=VALUE")),
+    }
+}
