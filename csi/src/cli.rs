@@ -38,6 +38,26 @@ pub enum Mode {
         /// How often agents are checked for a restart needing a resync, in seconds.
         #[arg(long, default_value_t = 5)]
         resync_interval_secs: u64,
+        /// Run the background loops (the resync loop) only on the holder of a
+        /// coordination.k8s.io Lease, so of several replicas one does them. Kubernetes store
+        /// only; the embedded store is one process and always runs them.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        leader_election: bool,
+        /// Namespace of the Lease.
+        #[arg(long, env = "POD_NAMESPACE", default_value = "pillar-system")]
+        leader_election_namespace: String,
+        /// Name of the Lease.
+        #[arg(long, default_value = "pillar-controller")]
+        leader_election_lease: String,
+        /// Seconds a standby waits after the Lease last changed before taking over.
+        #[arg(long, default_value_t = 15)]
+        leader_election_lease_duration_secs: u64,
+        /// Seconds the holder keeps acting after its last successful renewal started.
+        #[arg(long, default_value_t = 10)]
+        leader_election_renew_deadline_secs: u64,
+        /// Seconds between renewals (and a standby's retries).
+        #[arg(long, default_value_t = 2)]
+        leader_election_retry_period_secs: u64,
     },
     /// The CSI node plugin (Identity + Node services).
     Node {

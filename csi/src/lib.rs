@@ -20,18 +20,9 @@ pub mod node;
 pub mod node_id;
 pub mod serve;
 
-/// An error and its chain of causes on one line, `outer: cause: root cause`, for gRPC status
-/// messages and logs.
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+/// An error and its chain of causes on one line (defined with the state crate, which logs
+/// with it too).
+pub use pillar_state::error_chain;
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`), coloured only on a terminal: logs
 /// collected by kubelet or CI stay plain text.

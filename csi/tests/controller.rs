@@ -6,7 +6,7 @@ mod support;
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_csi::csi;
-use pillar_state::condition::{ACL_DISABLED, ConditionStatus, find_condition};
+use pillar_state::condition::{ACL_DISABLED, ConditionStatus, REVOKING, find_condition};
 use pillar_state::faults::VolumeWrite;
 use pillar_state::store::Revision;
 use support::{
@@ -1074,4 +1074,91 @@ async fn a_refused_event_fails_no_publish() {
         .await
         .unwrap();
     env.client.delete_volume(delete("quiet-vol")).await.unwrap();
+}
+
+/// The volume's `Revoking` condition: (status, reason, message).
+async fn revoking_condition(env: &Env, volume: &str) -> Option<(ConditionStatus, String, String)> {
+    let v = env.store.get_volume(volume).await.unwrap().unwrap();
+    find_condition(&v.status_or_default().conditions, REVOKING)
+        .map(|c| (c.status, c.reason.clone(), c.message.clone()))
+}
+
+// proves W4 (what an operator sees while pillar fails closed): an unpublish whose revoke the
+// storage node does not confirm keeps the publication, sets Revoking=True naming the node (in the
+// write that marks it revoking) and records a RevokeFailed Warning; a confirmed unpublish turns
+// Revoking False in the write that removes the publication and records nothing; a volume whose
+// PillarAgent is gone is refused with an AgentMissing Warning. On both stores (the kube store's
+// events are events.k8s.io/v1 objects in the API server double).
+#[tokio::test]
+async fn a_failed_revoke_and_a_missing_agent_are_conditions_and_events() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        for vol in ["rv-ok", "rv-stuck"] {
+            env.client
+                .create_volume(create(vol, Mode::SingleNodeWriter))
+                .await
+                .unwrap();
+            env.client
+                .controller_publish_volume(publish(vol, 1, Mode::SingleNodeWriter, false))
+                .await
+                .unwrap();
+        }
+        assert_eq!(revoking_condition(&env, "rv-ok").await, None, "{kind:?}");
+        env.client
+            .controller_unpublish_volume(unpublish("rv-ok", 1))
+            .await
+            .unwrap();
+        let (status, reason, _) = revoking_condition(&env, "rv-ok").await.unwrap();
+        assert_eq!(
+            (status, reason.as_str()),
+            (ConditionStatus::False, "NoRevokePending"),
+            "{kind:?}"
+        );
+        assert!(env.events("rv-ok").is_empty(), "{kind:?}");
+
+        // The storage node goes away: the revoke cannot be confirmed.
+        env.agent.stop().await;
+        let err = env
+            .client
+            .controller_unpublish_volume(unpublish("rv-stuck", 1))
+            .await
+            .expect_err("an unconfirmed revoke");
+        assert_eq!(err.code(), Code::Unavailable, "{kind:?}: {}", err.message());
+        let v = env.store.get_volume("rv-stuck").await.unwrap().unwrap();
+        let published = v.status_or_default().published_nodes;
+        assert_eq!(published.len(), 1, "{kind:?}: the publication must stay");
+        assert!(published[0].revoking, "{kind:?}");
+        let (status, reason, message) = revoking_condition(&env, "rv-stuck").await.unwrap();
+        assert_eq!(
+            (status, reason.as_str()),
+            (ConditionStatus::True, "RevokeNotConfirmed"),
+            "{kind:?}"
+        );
+        assert!(message.contains("node-1"), "{kind:?}: {message}");
+        assert_eq!(
+            env.events("rv-stuck"),
+            vec![("Warning".to_owned(), "RevokeFailed".to_owned())],
+            "{kind:?}"
+        );
+
+        // The PillarAgent is deleted: every call on the volume is refused, with a warning.
+        let agent = env.store.get_agent(AGENT).await.unwrap().unwrap();
+        env.store
+            .delete_agent(AGENT, &Revision::of(&agent).unwrap())
+            .await
+            .unwrap();
+        let err = env
+            .client
+            .controller_unpublish_volume(unpublish("rv-stuck", 1))
+            .await
+            .expect_err("no agent");
+        assert_eq!(err.code(), Code::FailedPrecondition, "{kind:?}");
+        assert_eq!(
+            env.events("rv-stuck").last(),
+            Some(&("Warning".to_owned(), "AgentMissing".to_owned())),
+            "{kind:?}"
+        );
+        let v = env.store.get_volume("rv-stuck").await.unwrap().unwrap();
+        assert_eq!(v.status_or_default().published_nodes.len(), 1, "{kind:?}");
+    }
 }

@@ -21,6 +21,7 @@ use pillar_host::HostPaths;
 use pillar_nvmet::HostNqn;
 use pillar_state::EmbeddedStore;
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
+use pillar_state::lease::Leadership;
 use pillar_state::store::StateStore;
 
 use pillar_csi::agents::Agents;
@@ -203,7 +204,7 @@ pub async fn start(
             .await?;
     }
     let controller = Controller::new(store, Agents::new(None, true, Duration::from_secs(30)));
-    controller.spawn_resync_loop(Duration::from_secs(1));
+    controller.spawn_resync_loop(Duration::from_secs(1), Leadership::sole());
     let controller_socket = sockets.controller.clone();
     let controller_stop = stop(shutdown.clone());
     tokio::spawn(async move {

@@ -14,6 +14,7 @@ use pillar_csi::identity::IdentityService;
 use pillar_csi::node::{AttachMode, NodeConfig, NodeService};
 use pillar_csi::serve::{serve, socket_path};
 use pillar_host::HostPaths;
+use pillar_state::lease::{Elector, Leadership, LeaseSettings};
 use pillar_state::store::StateStore;
 
 fn read_trimmed(path: &PathBuf) -> anyhow::Result<String> {
@@ -34,27 +35,57 @@ async fn main() -> anyhow::Result<()> {
             agent_client_key,
             agent_insecure_plaintext,
             resync_interval_secs,
+            leader_election,
+            leader_election_namespace,
+            leader_election_lease,
+            leader_election_lease_duration_secs,
+            leader_election_renew_deadline_secs,
+            leader_election_retry_period_secs,
         } => {
-            let store: Arc<dyn StateStore> = match embedded_store {
-                Some(dir) => Arc::new(
-                    pillar_state::EmbeddedStore::open(dir)
-                        .await
-                        .context("opening the embedded store")?,
-                ),
-                None => Arc::new(
-                    pillar_state::KubeStore::new(
-                        kube::Client::try_default()
+            // The pod's name (deploy/controller.yaml sets POD_NAME) names this replica in its
+            // Events and as the Lease holder.
+            let instance = std::env::var("POD_NAME")
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .unwrap_or_default();
+            let (store, elector): (Arc<dyn StateStore>, _) = match embedded_store {
+                Some(dir) => (
+                    Arc::new(
+                        pillar_state::EmbeddedStore::open(dir)
                             .await
-                            .context("connecting to Kubernetes")?,
-                    )
-                    // The pod's name (deploy/controller.yaml sets POD_NAME) names this replica
-                    // in its Events.
-                    .with_reporting_instance(
-                        &std::env::var("POD_NAME")
-                            .or_else(|_| std::env::var("HOSTNAME"))
-                            .unwrap_or_default(),
+                            .context("opening the embedded store")?,
                     ),
+                    None,
                 ),
+                None => {
+                    let client = kube::Client::try_default()
+                        .await
+                        .context("connecting to Kubernetes")?;
+                    let elector = if leader_election {
+                        let settings = LeaseSettings {
+                            lease_duration: Duration::from_secs(
+                                leader_election_lease_duration_secs,
+                            ),
+                            renew_deadline: Duration::from_secs(
+                                leader_election_renew_deadline_secs,
+                            ),
+                            retry_period: Duration::from_secs(leader_election_retry_period_secs),
+                            ..LeaseSettings::new(
+                                &leader_election_namespace,
+                                &leader_election_lease,
+                                &instance,
+                            )
+                        };
+                        Some(Elector::new(client.clone(), settings).context("leader election")?)
+                    } else {
+                        None
+                    };
+                    (
+                        Arc::new(
+                            pillar_state::KubeStore::new(client).with_reporting_instance(&instance),
+                        ),
+                        elector,
+                    )
+                }
             };
             let tls = agent_client_cert
                 .zip(agent_client_key)
@@ -63,8 +94,18 @@ async fn main() -> anyhow::Result<()> {
                 store,
                 Agents::new(tls, agent_insecure_plaintext, Duration::from_secs(30)),
             );
-            controller.spawn_resync_loop(Duration::from_secs(resync_interval_secs));
-            serve::<NodeService>(
+            let (leadership, elector) = match elector {
+                Some((elector, leadership)) => {
+                    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                    let task = tokio::spawn(elector.run(async {
+                        let _ = stopped.await;
+                    }));
+                    (leadership, Some((stop, task)))
+                }
+                None => (Leadership::sole(), None),
+            };
+            controller.spawn_resync_loop(Duration::from_secs(resync_interval_secs), leadership);
+            let served = serve::<NodeService>(
                 &socket_path(&endpoint),
                 IdentityService,
                 Some(ControllerService::new(controller)),
@@ -72,7 +113,13 @@ async fn main() -> anyhow::Result<()> {
                 pillar_csi::until_signal(),
             )
             .await
-            .context("controller")
+            .context("controller");
+            // Shutting down: release the Lease so a standby takes over at once.
+            if let Some((stop, task)) = elector {
+                let _ = stop.send(());
+                let _ = task.await;
+            }
+            served
         }
         Mode::Node {
             endpoint,

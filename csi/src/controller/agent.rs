@@ -30,14 +30,15 @@ impl Controller {
         volume: &PillarVolumeState,
     ) -> Result<VolumeAgent, ControllerError> {
         let name = &volume.spec.agent;
-        let agent =
-            self.store
-                .get_agent(name)
-                .await?
-                .ok_or_else(|| ControllerError::AgentMissing {
-                    volume: volume.spec.volume_id.clone(),
-                    agent: name.clone(),
-                })?;
+        let Some(agent) = self.store.get_agent(name).await? else {
+            let uid = volume.metadata.uid.clone().unwrap_or_default();
+            self.warn_agent_missing(&volume.spec.volume_id, &uid, name)
+                .await;
+            return Err(ControllerError::AgentMissing {
+                volume: volume.spec.volume_id.clone(),
+                agent: name.clone(),
+            });
+        };
         let client = self.agents.client(&agent).await?;
         Ok(VolumeAgent {
             agent,

@@ -11,7 +11,8 @@
 use std::time::Duration;
 
 use pillar_state::condition::{
-    ACL_DISABLED, Condition, ConditionChange, ConditionStatus, find_condition, now, set_condition,
+    ACL_DISABLED, Condition, ConditionChange, ConditionStatus, REVOKING, find_condition, now,
+    set_condition,
 };
 use pillar_state::crd::PillarVolumeStateStatus;
 use pillar_state::store::{EventType, VolumeEvent};
@@ -24,6 +25,16 @@ pub const REASON_ACL_OFF: &str = "ProtocolAclOff";
 pub const REASON_ACL_ON: &str = "ProtocolAclOn";
 /// `AclDisabled` reason: no publication is recorded.
 pub const REASON_NOT_PUBLISHED: &str = "NotPublished";
+
+/// `Revoking` reason: a publication is marked revoking.
+pub const REASON_REVOKE_NOT_CONFIRMED: &str = "RevokeNotConfirmed";
+/// `Revoking` reason: no publication is marked revoking.
+pub const REASON_NO_REVOKE: &str = "NoRevokePending";
+
+/// Event reason: the storage node did not confirm a revoke.
+pub const EVENT_REVOKE_FAILED: &str = "RevokeFailed";
+/// Event reason: the volume's PillarAgent does not exist.
+pub const EVENT_AGENT_MISSING: &str = "AgentMissing";
 
 /// The longest an event may hold up the call that reports it.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -92,6 +103,49 @@ pub fn clear_acl_condition_if_unpublished(
     )
 }
 
+/// Sets `Revoking` from `status`'s publications, in the write that marks one revoking or
+/// removes one (W3, W4): True naming the nodes while any is revoking; False once none is (a
+/// volume that never had the condition gets none).
+pub fn set_revoking_condition(
+    status: &mut PillarVolumeStateStatus,
+    generation: Option<i64>,
+) -> ConditionChange {
+    let nodes: Vec<&str> = status
+        .published_nodes
+        .iter()
+        .filter(|p| p.revoking)
+        .map(|p| p.node.as_str())
+        .collect();
+    let condition = if nodes.is_empty() {
+        if find_condition(&status.conditions, REVOKING).is_none() {
+            return ConditionChange::Unchanged;
+        }
+        Condition::new(
+            REVOKING,
+            ConditionStatus::False,
+            REASON_NO_REVOKE,
+            "no unpublish waits for a revoke",
+            generation,
+            now(),
+        )
+    } else {
+        Condition::new(
+            REVOKING,
+            ConditionStatus::True,
+            REASON_REVOKE_NOT_CONFIRMED,
+            format!(
+                "unpublish from node {} started: the publication stays recorded and the volume \
+                 goes to no other node until the storage node confirms the revoke (docs/runbook.md, \
+                 \"A pod stuck in ContainerCreating\")",
+                nodes.join(", ")
+            ),
+            generation,
+            now(),
+        )
+    };
+    set_condition(&mut status.conditions, condition)
+}
+
 impl Controller {
     /// Records `event`, best-effort: a failure or a slow API server is logged (volume, reason
     /// and the store's error, never the request) and the caller goes on.
@@ -105,6 +159,45 @@ impl Controller {
                 tracing::warn!(volume = %event.volume, reason = %event.reason, "recording the event timed out")
             }
         }
+    }
+
+    /// The Warning event for a revoke the storage node did not confirm (the publication stays,
+    /// W4).
+    pub(super) async fn warn_revoke_failed(
+        &self,
+        volume: &str,
+        uid: &str,
+        node: &str,
+        error: &str,
+    ) {
+        self.record_event(VolumeEvent {
+            volume: volume.to_owned(),
+            uid: uid.to_owned(),
+            type_: EventType::Warning,
+            reason: EVENT_REVOKE_FAILED.to_owned(),
+            action: "Unpublish".to_owned(),
+            note: format!(
+                "revoke of node {node} not confirmed, the publication stays recorded: {error}"
+            ),
+        })
+        .await;
+    }
+
+    /// The Warning event for a volume whose PillarAgent does not exist: pillar refuses to act
+    /// without its storage node (C1, W4).
+    pub(super) async fn warn_agent_missing(&self, volume: &str, uid: &str, agent: &str) {
+        self.record_event(VolumeEvent {
+            volume: volume.to_owned(),
+            uid: uid.to_owned(),
+            type_: EventType::Warning,
+            reason: EVENT_AGENT_MISSING.to_owned(),
+            action: "ReachStorageNode".to_owned(),
+            note: format!(
+                "PillarAgent {agent} does not exist: pillar refuses to change the volume without \
+                 its storage node (docs/runbook.md, \"A storage node that will not come back\")"
+            ),
+        })
+        .await;
     }
 
     /// The Warning event for `AclDisabled` turning True on `volume` (lifecycle `uid`).

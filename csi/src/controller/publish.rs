@@ -19,8 +19,10 @@ use pillar_state::crd::{
 
 use super::Controller;
 use super::agent::VolumeAgent;
-use super::condition::{clear_acl_condition_if_unpublished, set_acl_condition};
-use super::error::ControllerError;
+use super::condition::{
+    clear_acl_condition_if_unpublished, set_acl_condition, set_revoking_condition,
+};
+use super::error::{ControllerError, describe};
 use super::record::{Write, token};
 use super::request::{self, VolumeRef};
 use crate::{context, csi};
@@ -339,6 +341,7 @@ impl Controller {
                 p.revoking = true;
                 status.publication_generation += 1;
                 let generation = status.publication_generation;
+                set_revoking_condition(&mut status, current.metadata.generation);
                 Ok((Write::Status(status), Some(generation)))
             })
             .await?;
@@ -371,7 +374,11 @@ impl Controller {
                 tracing::info!(volume = %name, node = %publication.node, "publication already gone");
                 return Ok(());
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                self.warn_revoke_failed(name, uid, &publication.node, &describe(&e))
+                    .await;
+                return Err(e);
+            }
         }
         // Confirmed: only now does the record go, and only this publication's. The last one
         // going clears AclDisabled in the same write (W6, W7).
@@ -385,6 +392,7 @@ impl Controller {
                 Write::Nothing
             } else {
                 clear_acl_condition_if_unpublished(&mut status, current.metadata.generation);
+                set_revoking_condition(&mut status, current.metadata.generation);
                 Write::Status(status)
             };
             Ok((write, ()))

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_state::crd::{PillarAgent, PillarVolumeState};
+use pillar_state::lease::{Leadership, every_round_while_leader};
 
 use super::Controller;
 use super::agent::export_request;
@@ -138,6 +139,12 @@ impl Controller {
 
     /// Checks every agent once; resyncs those that wait for it.
     pub async fn resync_waiting_agents(&self) {
+        self.resync_round(&Leadership::sole()).await;
+    }
+
+    /// One round of the resync loop; stops before the next agent once `leadership` is lost
+    /// (a replica that was paused past its renew deadline acts no more).
+    async fn resync_round(&self, leadership: &Leadership) {
         let agents = match self.store.list_agents().await {
             Ok(a) => a,
             Err(e) => {
@@ -146,6 +153,10 @@ impl Controller {
             }
         };
         for agent in agents {
+            if !leadership.is_leader() {
+                tracing::info!("no longer the leader: resync round stopped");
+                return;
+            }
             let name = agent.metadata.name.clone().unwrap_or_default();
             let health = match self.agents.client(&agent).await {
                 Ok(mut c) => c.health(agent_api::HealthRequest {}).await,
@@ -172,14 +183,22 @@ impl Controller {
         }
     }
 
-    /// Runs [`resync_waiting_agents`](Self::resync_waiting_agents) every `interval`.
-    pub fn spawn_resync_loop(self: &Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
+    /// Runs a resync round every `interval` while `leadership` holds (one controller replica
+    /// runs the loop; the Lease decides which, [`pillar_state::lease`]).
+    pub fn spawn_resync_loop(
+        self: &Arc<Self>,
+        interval: Duration,
+        leadership: Leadership,
+    ) -> tokio::task::JoinHandle<()> {
         let me = Arc::clone(self);
-        tokio::spawn(async move {
-            loop {
-                me.resync_waiting_agents().await;
-                tokio::time::sleep(interval).await;
-            }
-        })
+        tokio::spawn(every_round_while_leader(
+            leadership.clone(),
+            interval,
+            move || {
+                let me = Arc::clone(&me);
+                let leadership = leadership.clone();
+                async move { me.resync_round(&leadership).await }
+            },
+        ))
     }
 }

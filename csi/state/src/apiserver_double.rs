@@ -39,6 +39,13 @@
 //!   Warning, and an event about a cluster-scoped object (no `regarding.namespace`) only in
 //!   `default` or `kube-system`. [`ApiServerDouble::events`] reads them back.
 //!
+//! - Leases: GET, POST and PUT of `coordination.k8s.io/v1` Leases under
+//!   `/apis/coordination.k8s.io/v1/namespaces/<ns>/leases`, as for a built-in kind: the same
+//!   global resourceVersion, 409 `AlreadyExists` for a taken name, 409 `Conflict` for a stale
+//!   resourceVersion, an update without one allowed (built-in kinds allow unconditional updates),
+//!   404 for an update of a missing Lease, 422 for a non-positive `leaseDurationSeconds`.
+//!   [`ApiServerDouble::lease`] reads one back.
+//!
 //! Errors are real `Status` objects (kind `Status`, apiVersion `v1`, status `Failure`, reason,
 //! code), which kube-rs turns into [`kube::Error::Api`]. Every request is recorded (method, path,
 //! query, JSON body) for request-shape assertions, and a failure can be injected for the next
@@ -157,6 +164,8 @@ struct State {
     failures: Vec<InjectedFailure>,
     /// Events in the order they were created.
     events: Vec<Value>,
+    /// `coordination.k8s.io/v1` Leases by (namespace, name).
+    leases: BTreeMap<(String, String), Value>,
 }
 
 impl State {
@@ -241,6 +250,14 @@ impl ApiServerDouble {
     /// Every Event created so far (`events.k8s.io/v1`, as stored), oldest first.
     pub fn events(&self) -> Vec<Value> {
         self.state().events.clone()
+    }
+
+    /// The Lease `namespace/name`, as stored.
+    pub fn lease(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.state()
+            .leases
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
     }
 
     /// The current global resourceVersion.
@@ -334,6 +351,18 @@ async fn handle(
 }
 
 fn route(st: &mut State, method: &Method, path: &str, body: Option<Value>) -> Answer {
+    if let Some(rest) = path.strip_prefix(LEASES_PREFIX) {
+        return match (rest.split('/').collect::<Vec<_>>().as_slice(), method) {
+            ([ns, "leases"], &Method::POST) => create_lease(st, ns, body),
+            ([ns, "leases", name], &Method::GET) => st
+                .leases
+                .get(&((*ns).to_owned(), (*name).to_owned()))
+                .map_or_else(|| lease_not_found(name), |l| (StatusCode::OK, l.clone())),
+            ([ns, "leases", name], &Method::PUT) => update_lease(st, ns, name, body),
+            ([_, "leases"] | [_, "leases", _], _) => method_not_allowed(),
+            _ => unknown_path(),
+        };
+    }
     if let Some(rest) = path.strip_prefix(EVENTS_PREFIX) {
         return match (rest.split('/').collect::<Vec<_>>().as_slice(), method) {
             ([ns, "events"], &Method::POST) => create_event(st, ns, body),
@@ -637,6 +666,138 @@ fn delete(st: &mut State, info: KindInfo, name: &str, body: Option<Value>) -> An
     }
     st.next_rv();
     (StatusCode::OK, Value::Object(current))
+}
+
+const LEASES_PREFIX: &str = "/apis/coordination.k8s.io/v1/namespaces/";
+
+fn lease_not_found(name: &str) -> Answer {
+    failure_status(
+        404,
+        "NotFound",
+        &format!("leases.coordination.k8s.io \"{name}\" not found"),
+        json!({ "name": name, "group": "coordination.k8s.io", "kind": "leases" }),
+    )
+}
+
+/// A Lease's spec as its validation checks it (`pkg/apis/coordination/validation`):
+/// `leaseDurationSeconds` and `leaseTransitions`, when set, are positive / not negative.
+fn invalid_lease_spec(obj: &Map<String, Value>) -> Option<String> {
+    let spec = obj.get("spec").and_then(Value::as_object)?;
+    if let Some(d) = spec.get("leaseDurationSeconds").and_then(Value::as_i64)
+        && d <= 0
+    {
+        return Some(format!(
+            "spec.leaseDurationSeconds: Invalid value: {d}: must be greater than 0"
+        ));
+    }
+    if let Some(t) = spec.get("leaseTransitions").and_then(Value::as_i64)
+        && t < 0
+    {
+        return Some(format!(
+            "spec.leaseTransitions: Invalid value: {t}: must be greater than or equal to 0"
+        ));
+    }
+    None
+}
+
+fn lease_invalid(name: &str, detail: &str) -> Answer {
+    failure_status(
+        422,
+        "Invalid",
+        &format!("Lease.coordination.k8s.io \"{name}\" is invalid: {detail}"),
+        json!({ "name": name, "group": "coordination.k8s.io", "kind": "Lease" }),
+    )
+}
+
+/// POST of a Lease: a built-in kind (no generation, no status subresource).
+fn create_lease(st: &mut State, ns: &str, body: Option<Value>) -> Answer {
+    let Some(Value::Object(mut obj)) = body else {
+        return bad_request("the body of the request was in an unknown format");
+    };
+    let name = meta_str(&obj, "name").unwrap_or_default().to_owned();
+    if name.is_empty() {
+        return lease_invalid(
+            "",
+            "metadata.name: Required value: name or generateName is required",
+        );
+    }
+    if let Some(detail) = invalid_lease_spec(&obj) {
+        return lease_invalid(&name, &detail);
+    }
+    let key = (ns.to_owned(), name.clone());
+    if st.leases.contains_key(&key) {
+        return failure_status(
+            409,
+            "AlreadyExists",
+            &format!("leases.coordination.k8s.io \"{name}\" already exists"),
+            json!({ "name": name, "group": "coordination.k8s.io", "kind": "leases" }),
+        );
+    }
+    let rv = st.next_rv();
+    with_metadata(&mut obj, |meta| {
+        meta.insert("namespace".into(), json!(ns));
+        meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
+        meta.insert("resourceVersion".into(), json!(rv));
+        meta.insert(
+            "creationTimestamp".into(),
+            serde_json::to_value(Time(k8s_openapi::jiff::Timestamp::now())).unwrap_or(Value::Null),
+        );
+    });
+    let obj = Value::Object(obj);
+    st.leases.insert(key, obj.clone());
+    (StatusCode::CREATED, obj)
+}
+
+/// PUT of a Lease. Built-in kinds allow unconditional updates (no resourceVersion in the
+/// body); a stale one is 409 Conflict; a missing Lease is 404 (no create on update).
+fn update_lease(st: &mut State, ns: &str, name: &str, body: Option<Value>) -> Answer {
+    let Some(Value::Object(mut body)) = body else {
+        return bad_request("the body of the request was in an unknown format");
+    };
+    let key = (ns.to_owned(), name.to_owned());
+    let Some(Value::Object(current)) = st.leases.get(&key).cloned() else {
+        return lease_not_found(name);
+    };
+    let current_rv = meta_str(&current, "resourceVersion")
+        .unwrap_or_default()
+        .to_owned();
+    let body_rv = meta_str(&body, "resourceVersion").unwrap_or_default();
+    if !body_rv.is_empty() && body_rv != current_rv {
+        return failure_status(
+            409,
+            "Conflict",
+            &format!(
+                "Operation cannot be fulfilled on leases.coordination.k8s.io \"{name}\": the \
+                 object has been modified; please apply your changes to the latest version and \
+                 try again"
+            ),
+            json!({ "name": name, "group": "coordination.k8s.io", "kind": "leases" }),
+        );
+    }
+    if let Some(detail) = invalid_lease_spec(&body) {
+        return lease_invalid(name, &detail);
+    }
+    let old_meta = current
+        .get("metadata")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    with_metadata(&mut body, |meta| {
+        for key in ["uid", "creationTimestamp", "namespace"] {
+            if let Some(v) = old_meta.get(key) {
+                meta.insert(key.into(), v.clone());
+            }
+        }
+    });
+    meta_insert(&mut body, "resourceVersion", json!(current_rv));
+    if body == current {
+        return (StatusCode::OK, Value::Object(current));
+    }
+    let rv = st.next_rv();
+    meta_insert(&mut body, "resourceVersion", json!(rv));
+    let body = Value::Object(body);
+    st.leases.insert(key, body.clone());
+    (StatusCode::OK, body)
 }
 
 const EVENTS_PREFIX: &str = "/apis/events.k8s.io/v1/namespaces/";

@@ -16,6 +16,9 @@ use serde::{Deserialize, Serialize};
 /// Condition type: a publication is recorded under a protocol with `acl: false`.
 pub const ACL_DISABLED: &str = "AclDisabled";
 
+/// Condition type: an unpublish started and the storage node has not confirmed its revoke.
+pub const REVOKING: &str = "Revoking";
+
 /// One condition, with the fields and JSON names of `metav1.Condition`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -58,6 +58,18 @@ pub const API_VERSION: &str = "pillar-csi.io/v1alpha1";
         json_path = ".status.conditions[?(@.type==\"AclDisabled\")].status"
     ),
     printcolumn(
+        name = "Revoking",
+        type_ = "string",
+        description = "an unpublish waits for the storage node to confirm its revoke",
+        json_path = ".status.conditions[?(@.type==\"Revoking\")].status"
+    ),
+    printcolumn(
+        name = "Deleting",
+        type_ = "boolean",
+        description = "a DeleteVolume has started",
+        json_path = ".status.deleting"
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -173,7 +185,8 @@ pub struct PillarVolumeStateStatus {
     // W6, W7: written in the same compare-and-swap as the publication records they describe.
     /// Conditions in the shape of `metav1.Condition`, one per type. `AclDisabled`: a
     /// publication is recorded under a protocol with `acl: false`, so any host that reaches the
-    /// port can connect and unpublishing cannot keep a lost node out.
+    /// port can connect and unpublishing cannot keep a lost node out. `Revoking`: an unpublish
+    /// waits for the storage node to confirm its revoke; the publication stays recorded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

@@ -7,6 +7,8 @@
 //! - [`store`]: the [`StateStore`] trait, [`Revision`] (the UID + resourceVersion a write
 //!   expects) and [`StoreError`].
 //! - [`kube_store`]: [`KubeStore`], the store over the Kubernetes API.
+//! - [`lease`]: leader election on a `coordination.k8s.io` Lease for the controller's own
+//!   background loops ([`lease::Elector`], [`lease::Leadership`]).
 //! - [`embedded`]: [`EmbeddedStore`], the same semantics on a local directory (single-machine
 //!   mode).
 //! - `apiserver_double` (feature `test-double`, and in this crate's tests): a Kubernetes API
@@ -17,6 +19,7 @@ pub mod condition;
 pub mod crd;
 pub mod embedded;
 pub mod kube_store;
+pub mod lease;
 pub mod store;
 
 #[cfg(any(test, feature = "test-double"))]
@@ -34,3 +37,16 @@ pub use kube_store::KubeStore;
 pub use store::{
     EventType, PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name,
 };
+
+/// An error and its chain of causes on one line, `outer: cause: root cause`, for gRPC status
+/// messages and logs.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

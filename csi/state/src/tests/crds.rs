@@ -68,6 +68,11 @@ fn crds_are_cluster_scoped_with_safe_short_names() {
                 "AclDisabled",
                 ".status.conditions[?(@.type==\"AclDisabled\")].status"
             ),
+            (
+                "Revoking",
+                ".status.conditions[?(@.type==\"Revoking\")].status"
+            ),
+            ("Deleting", ".status.deleting"),
             ("Age", ".metadata.creationTimestamp"),
         ]
     );

@@ -6,5 +6,6 @@ mod crds;
 mod double;
 mod embedded;
 mod events;
+mod lease;
 mod race;
 mod shapes;

@@ -1,0 +1,288 @@
+//! Leader election on a Lease against the API server double (issue 13 item 2): one of two
+//! replicas leads; the standby takes over at once after a release and only after the lease
+//! duration after a pause; a paused leader stops acting before the standby starts; background
+//! rounds run on the leader only. Real time, short durations.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::apiserver_double::ApiServerDouble;
+use crate::lease::{Elector, Leadership, LeaseError, LeaseSettings, every_round_while_leader};
+
+const NS: &str = "pillar-system";
+const NAME: &str = "pillar-controller";
+const LEASE: Duration = Duration::from_millis(1500);
+const RENEW: Duration = Duration::from_millis(1000);
+const RETRY: Duration = Duration::from_millis(200);
+
+fn settings(identity: &str) -> LeaseSettings {
+    LeaseSettings {
+        lease_duration: LEASE,
+        renew_deadline: RENEW,
+        retry_period: RETRY,
+        ..LeaseSettings::new(NS, NAME, identity)
+    }
+}
+
+struct Replica {
+    leadership: Leadership,
+    rounds: Arc<AtomicU64>,
+    stop: Option<oneshot::Sender<()>>,
+    elector: tokio::task::JoinHandle<()>,
+    work: tokio::task::JoinHandle<()>,
+}
+
+impl Replica {
+    fn start(double: &ApiServerDouble, identity: &str) -> Self {
+        let (elector, leadership) =
+            Elector::new(double.client().unwrap(), settings(identity)).unwrap();
+        let (tx, rx) = oneshot::channel();
+        let elector = tokio::spawn(elector.run(async {
+            let _ = rx.await;
+        }));
+        let rounds = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&rounds);
+        let work = tokio::spawn(every_round_while_leader(
+            leadership.clone(),
+            Duration::from_millis(20),
+            move || {
+                let counter = Arc::clone(&counter);
+                async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+            },
+        ));
+        Self {
+            leadership,
+            rounds,
+            stop: Some(tx),
+            elector,
+            work,
+        }
+    }
+
+    fn rounds(&self) -> u64 {
+        self.rounds.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.elector.abort();
+        self.work.abort();
+    }
+}
+
+fn holder(double: &ApiServerDouble) -> Option<String> {
+    double
+        .lease(NS, NAME)
+        .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
+}
+
+/// Polls every 10 ms until `f` holds or `within` passes; whether it held.
+async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_replica_leads_and_the_standby_takes_over_at_once_after_a_release() {
+    let double = ApiServerDouble::start().await.unwrap();
+    let mut a = Replica::start(&double, "controller-a");
+    assert!(eventually(Duration::from_secs(3), || a.leadership.is_leader()).await);
+    let b = Replica::start(&double, "controller-b");
+    // Never both, over several renewals; the standby runs no round.
+    let b_rounds = b.rounds();
+    let watch = Instant::now();
+    while watch.elapsed() < LEASE * 2 {
+        assert!(
+            !(a.leadership.is_leader() && b.leadership.is_leader()),
+            "two leaders"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        a.leadership.is_leader(),
+        "the leader lost a lease it renews"
+    );
+    assert_eq!(b.rounds(), b_rounds, "the standby ran a round");
+    assert!(a.rounds() > 10, "the leader ran {} rounds", a.rounds());
+    assert_eq!(holder(&double).as_deref(), Some("controller-a"));
+
+    // A stops: it releases the lease, and B takes over within a retry period or two, well
+    // before the lease duration.
+    let stopped = Instant::now();
+    a.stop.take().unwrap().send(()).unwrap();
+    assert!(
+        eventually(LEASE, || b.leadership.is_leader()).await,
+        "the standby did not take over"
+    );
+    let took = stopped.elapsed();
+    assert!(
+        took < LEASE,
+        "takeover after {took:?}: the release was not seen"
+    );
+    assert!(!a.leadership.is_leader());
+    assert_eq!(holder(&double).as_deref(), Some("controller-b"));
+    let a_rounds = a.rounds();
+    let b_rounds = b.rounds();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(a.rounds(), a_rounds, "the old leader ran a round");
+    assert!(b.rounds() > b_rounds, "the new leader runs no rounds");
+    let transitions = double.lease(NS, NAME).unwrap()["spec"]["leaseTransitions"].clone();
+    assert_eq!(transitions, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_leader_stops_acting_before_the_standby_takes_over() {
+    let double = ApiServerDouble::start().await.unwrap();
+    let a = Replica::start(&double, "controller-a");
+    assert!(eventually(Duration::from_secs(3), || a.leadership.is_leader()).await);
+    let b = Replica::start(&double, "controller-b");
+    tokio::time::sleep(RETRY * 3).await;
+    assert!(a.leadership.is_leader() && !b.leadership.is_leader());
+
+    // A's elector freezes (a paused process, a partition): no renewal, no release.
+    a.elector.abort();
+    let frozen = Instant::now();
+    let mut a_stopped = None;
+    let mut b_started = None;
+    while frozen.elapsed() < LEASE * 3 && b_started.is_none() {
+        if a_stopped.is_none() && !a.leadership.is_leader() {
+            a_stopped = Some(frozen.elapsed());
+        }
+        if b.leadership.is_leader() {
+            b_started = Some(frozen.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let a_stopped = a_stopped.expect("the frozen leader kept acting");
+    let b_started = b_started.expect("the standby never took over");
+    assert!(
+        a_stopped <= RENEW,
+        "A acted {a_stopped:?} after its last renewal"
+    );
+    assert!(
+        a_stopped < b_started,
+        "overlap: A stopped at {a_stopped:?}, B started at {b_started:?}"
+    );
+    // B waited out the lease duration from when it last saw A's record change.
+    assert!(
+        b_started + RETRY >= LEASE,
+        "B took over after {b_started:?}, before the lease expired"
+    );
+    let a_rounds = a.rounds();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        a.rounds(),
+        a_rounds,
+        "the paused leader ran a round after its deadline"
+    );
+
+    // A comes back (a new elector under the same name): B holds the lease, A stands by.
+    let a2 = Replica::start(&double, "controller-a");
+    tokio::time::sleep(RETRY * 4).await;
+    assert!(!a2.leadership.is_leader());
+    assert!(b.leadership.is_leader());
+    assert_eq!(holder(&double).as_deref(), Some("controller-b"));
+}
+
+#[tokio::test]
+async fn inconsistent_settings_are_refused() {
+    let double = ApiServerDouble::start().await.unwrap();
+    let bad = LeaseSettings {
+        renew_deadline: LEASE,
+        ..settings("x")
+    };
+    assert!(matches!(
+        Elector::new(double.client().unwrap(), bad),
+        Err(LeaseError::Settings(_))
+    ));
+    let bad = LeaseSettings {
+        retry_period: RENEW,
+        ..settings("x")
+    };
+    assert!(matches!(
+        Elector::new(double.client().unwrap(), bad),
+        Err(LeaseError::Settings(_))
+    ));
+    assert!(Leadership::sole().is_leader());
+}
+
+// The double's Lease rules, through kube-rs: a taken name, a stale resourceVersion, a missing
+// Lease and an invalid duration are refused with the API server's codes.
+#[tokio::test]
+async fn the_double_keeps_the_api_servers_lease_rules() {
+    let double = ApiServerDouble::start().await.unwrap();
+    let api: Api<Lease> = Api::namespaced(double.client().unwrap(), NS);
+    let lease = |holder: &str, duration: i32| Lease {
+        metadata: ObjectMeta {
+            name: Some(NAME.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(holder.into()),
+            lease_duration_seconds: Some(duration),
+            ..LeaseSpec::default()
+        }),
+    };
+    let code = |r: kube::Result<Lease>| match r {
+        Err(kube::Error::Api(s)) => s.code,
+        other => panic!("expected an API error, got {other:?}"),
+    };
+    assert_eq!(
+        code(
+            api.replace(NAME, &PostParams::default(), &lease("a", 15))
+                .await
+        ),
+        404
+    );
+    assert_eq!(
+        code(api.create(&PostParams::default(), &lease("a", 0)).await),
+        422
+    );
+    let first = api
+        .create(&PostParams::default(), &lease("a", 15))
+        .await
+        .unwrap();
+    assert_eq!(
+        code(api.create(&PostParams::default(), &lease("b", 15)).await),
+        409
+    );
+    let mut next = first.clone();
+    next.spec.as_mut().unwrap().holder_identity = Some("b".into());
+    let second = api
+        .replace(NAME, &PostParams::default(), &next)
+        .await
+        .unwrap();
+    assert_ne!(
+        second.metadata.resource_version,
+        first.metadata.resource_version
+    );
+    // The first version again: stale.
+    assert_eq!(
+        code(api.replace(NAME, &PostParams::default(), &next).await),
+        409
+    );
+    // Without a resourceVersion a built-in kind updates unconditionally.
+    let mut blind = lease("c", 15);
+    blind.metadata.resource_version = None;
+    let third = api
+        .replace(NAME, &PostParams::default(), &blind)
+        .await
+        .unwrap();
+    assert_eq!(third.spec.unwrap().holder_identity.as_deref(), Some("c"));
+}
