@@ -6,7 +6,7 @@
 - Each folder under deploy/ with a kustomization.yaml is rendered with `kubectl kustomize`.
 - Built-in kinds are validated (strict: unknown fields fail) against the Kubernetes schemas of
   every version in KUBERNETES_VERSIONS, with the `kubernetes-validate` package; objects of
-  pillar's own CRDs against the CRD's openAPIV3Schema from deploy/crds.yaml; the examples in
+  pillar's own CRDs against the CRD's openAPIV3Schema from deploy/base/crds.yaml; the examples in
   deploy/examples/ the same way. Kinds of other projects' CRDs (VolumeSnapshotClass) are checked
   for their required fields only: their schemas are not shipped here.
 - With --containers-json, writes the containers running a pillar image (`pillar-csi`,
@@ -43,7 +43,31 @@ FIELD_VALUES = {
 FOREIGN_REQUIRED = {
     ("snapshot.storage.k8s.io", "VolumeSnapshotClass"): ["driver", "deletionPolicy"],
     ("snapshot.storage.k8s.io", "VolumeSnapshot"): ["spec"],
+    ("monitoring.coreos.com", "PodMonitor"): ["spec"],
+    ("monitoring.coreos.com", "PrometheusRule"): ["spec"],
 }
+# Where the metrics are registered: (source, prefix). Counters are exposed with `_total`,
+# histograms with `_bucket`, `_count` and `_sum`.
+METRIC_SOURCES = [
+    ("csi/src/controller/metrics.rs", "pillar_controller_"),
+    ("uring-agent/src/metrics.rs", "pillar_agent_"),
+]
+
+
+def exported_metrics():
+    names = set()
+    for source, prefix in METRIC_SOURCES:
+        text = (ROOT / source).read_text()
+        for m in re.finditer(r'register\(\s*"([a-z_]+)",\s*"[^"]*"(?:\s*\n?\s*"[^"]*")*,\s*(\w+)', text):
+            base = prefix + m.group(1)
+            names |= {base, base + "_total", base + "_bucket", base + "_count", base + "_sum"}
+    return names
+
+
+def check_metric_names(text, origin, known, problems):
+    for name in sorted(set(re.findall(r"\bpillar_[a-z_]+", text))):
+        if name not in known:
+            problems.append(f"{origin}: {name} is not a metric pillar exports")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -51,7 +75,7 @@ DEPLOY = ROOT / "deploy"
 
 def crd_schemas():
     schemas = {}
-    for doc in yaml.safe_load_all((DEPLOY / "crds.yaml").read_text()):
+    for doc in yaml.safe_load_all((DEPLOY / "base" / "crds.yaml").read_text()):
         if not doc or doc.get("kind") != "CustomResourceDefinition":
             continue
         spec = doc["spec"]
@@ -68,7 +92,7 @@ def check_object(obj, origin, schemas, problems):
     if group == PILLAR_GROUP:
         schema = schemas.get((api, kind))
         if schema is None:
-            problems.append(f"{name}: no CRD in deploy/crds.yaml for {api} {kind}")
+            problems.append(f"{name}: no CRD in deploy/base/crds.yaml for {api} {kind}")
             return
         try:
             jsonschema.validate(obj, schema)
@@ -150,6 +174,25 @@ def main():
             check_object(obj, str(rel), schemas, problems)
             containers += pillar_containers(obj, str(rel))
         rendered.append(str(rel))
+    # Alerts and dashboards name only metrics the binaries export.
+    known = exported_metrics()
+    if not known:
+        problems.append("no registered metric found in " + ", ".join(s for s, _ in METRIC_SOURCES))
+    for rule in sorted(DEPLOY.rglob("prometheusrule*.yaml")):
+        check_metric_names(rule.read_text(), str(rule.relative_to(ROOT)), known, problems)
+        rendered.append(f"{rule.relative_to(ROOT)} (metric names)")
+    for dashboard in sorted(DEPLOY.rglob("*.json")):
+        rel = dashboard.relative_to(ROOT)
+        try:
+            panels = json.loads(dashboard.read_text()).get("panels", [])
+        except json.JSONDecodeError as e:
+            problems.append(f"{rel}: not JSON: {e}")
+            continue
+        exprs = [t.get("expr", "") for p in panels for t in p.get("targets", [])]
+        if not exprs:
+            problems.append(f"{rel}: no panel queries anything")
+        check_metric_names("\n".join(exprs), str(rel), known, problems)
+        rendered.append(f"{rel} ({len(panels)} panels, metric names)")
     print(f"rendered and checked against Kubernetes {', '.join(KUBERNETES_VERSIONS)}:")
     for r in rendered:
         print(f"  {r}")

@@ -58,6 +58,9 @@ pub enum Mode {
         /// Seconds between renewals (and a standby's retries).
         #[arg(long, default_value_t = 2)]
         leader_election_retry_period_secs: u64,
+        /// Serve Prometheus metrics on this address (path /metrics).
+        #[arg(long)]
+        metrics_listen: Option<std::net::SocketAddr>,
     },
     /// The CSI node plugin (Identity + Node services).
     Node {

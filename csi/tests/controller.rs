@@ -1162,3 +1162,91 @@ async fn a_failed_revoke_and_a_missing_agent_are_conditions_and_events() {
         assert_eq!(v.status_or_default().published_nodes.len(), 1, "{kind:?}");
     }
 }
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: metrics\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// The value of the sample line starting with `series` (name and labels) in `text`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+}
+
+// The controller's metrics over real HTTP: CSI calls by method and code, agent calls by call and
+// answer, compare-and-swap conflicts; nothing but /metrics is served.
+#[tokio::test]
+async fn the_controller_serves_its_metrics_over_http() {
+    let env = Env::start(StoreKind::Kube, true).await;
+    let addr = pillar_csi::controller::metrics::serve_metrics(
+        "127.0.0.1:0".parse().unwrap(),
+        env.controller.metrics(),
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    let mut client = env.client.clone();
+    client
+        .create_volume(create("m-vol", Mode::SingleNodeWriter))
+        .await
+        .unwrap();
+    env.faults.conflict(VolumeWrite::Status, 2);
+    client
+        .controller_publish_volume(publish("m-vol", 1, Mode::SingleNodeWriter, false))
+        .await
+        .unwrap();
+    let refused = client
+        .delete_volume(delete("m-vol"))
+        .await
+        .expect_err("a published volume is not deleted");
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+
+    let response = http_get(addr, "/metrics").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let count = |series: &str| {
+        sample(&response, series).unwrap_or_else(|| panic!("no {series} in\n{response}"))
+    };
+    assert_eq!(
+        count(r#"pillar_controller_csi_duration_seconds_count{method="CreateVolume",code="Ok"}"#),
+        1.0
+    );
+    assert_eq!(
+        count(
+            r#"pillar_controller_csi_duration_seconds_count{method="ControllerPublishVolume",code="Ok"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        count(
+            r#"pillar_controller_csi_duration_seconds_count{method="DeleteVolume",code="FailedPrecondition"}"#
+        ),
+        1.0
+    );
+    assert!(
+        count(r#"pillar_controller_agent_call_duration_seconds_count{method="Export",code="Ok"}"#)
+            >= 1.0
+    );
+    assert_eq!(
+        count(r#"pillar_controller_cas_conflicts_total{kind="PillarVolumeState"}"#),
+        2.0
+    );
+    // The resync round Env::start ran: the agent served (not waiting), no revoke pending.
+    assert_eq!(
+        count(r#"pillar_controller_agent_waiting_for_resync{agent="storage-1"}"#),
+        0.0
+    );
+    assert_eq!(count("pillar_controller_volumes_revoking"), 0.0);
+    assert!(!response.contains("m-vol"), "a volume ID in a label");
+    let other = http_get(addr, "/").await;
+    assert!(other.starts_with("HTTP/1.1 404"), "{other}");
+}

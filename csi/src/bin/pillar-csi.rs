@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use pillar_csi::agents::{Agents, ControllerTls};
 use pillar_csi::cli::{Args, Mode};
+use pillar_csi::controller::metrics::serve_metrics;
 use pillar_csi::controller::{Controller, ControllerService};
 use pillar_csi::identity::IdentityService;
 use pillar_csi::node::{AttachMode, NodeConfig, NodeService};
@@ -41,8 +42,9 @@ async fn main() -> anyhow::Result<()> {
             leader_election_lease_duration_secs,
             leader_election_renew_deadline_secs,
             leader_election_retry_period_secs,
+            metrics_listen,
         } => {
-            // The pod's name (deploy/controller.yaml sets POD_NAME) names this replica in its
+            // The pod's name (deploy/base/controller.yaml sets POD_NAME) names this replica in its
             // Events and as the Lease holder.
             let instance = std::env::var("POD_NAME")
                 .or_else(|_| std::env::var("HOSTNAME"))
@@ -105,6 +107,11 @@ async fn main() -> anyhow::Result<()> {
                 None => (Leadership::sole(), None),
             };
             controller.spawn_resync_loop(Duration::from_secs(resync_interval_secs), leadership);
+            if let Some(addr) = metrics_listen {
+                let bound =
+                    serve_metrics(addr, controller.metrics(), std::future::pending()).await?;
+                tracing::info!(%bound, "serving metrics at /metrics");
+            }
             let served = serve::<NodeService>(
                 &socket_path(&endpoint),
                 IdentityService,

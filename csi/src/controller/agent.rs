@@ -83,7 +83,7 @@ impl Controller {
             Some(t) => Some(t),
             None => self.next_token_if(&target.name, &target.uid, still).await?,
         };
-        let first = call(target.client.clone(), token).await;
+        let first = self.timed(what, call(target.client.clone(), token)).await;
         let status = match first {
             Ok(r) => return Ok(r.into_inner()),
             Err(s) if reason_of(&s) == ErrorReason::WaitingForResync => s,
@@ -92,10 +92,27 @@ impl Controller {
         tracing::info!(volume = %target.name, call = what, "agent waits for a resync: {}", status.message());
         self.resync_agent(&target.agent).await?;
         let token = self.next_token_if(&target.name, &target.uid, still).await?;
-        call(target.client.clone(), token)
+        self.timed(what, call(target.client.clone(), token))
             .await
             .map(tonic::Response::into_inner)
             .map_err(agent_err(what, &target.name))
+    }
+
+    /// Runs one agent call and records its latency and answer (`Ok` or the agent's reason).
+    pub(super) async fn timed<T>(
+        &self,
+        what: &'static str,
+        call: impl Future<Output = Result<T, Status>>,
+    ) -> Result<T, Status> {
+        let start = std::time::Instant::now();
+        let result = call.await;
+        let answer = match &result {
+            Ok(_) => "Ok".to_owned(),
+            Err(s) => format!("{:?}", reason_of(s)),
+        };
+        self.metrics
+            .agent_call(what, &answer, start.elapsed().as_secs_f64());
+        result
     }
 
     /// With an agent on the configfs test double no host can connect over NVMe/TCP; the

@@ -33,6 +33,7 @@
 mod agent;
 mod condition;
 mod error;
+pub mod metrics;
 mod provision;
 mod publish;
 mod read;
@@ -50,6 +51,7 @@ use pillar_state::store::StateStore;
 use tokio::sync::Mutex;
 
 use crate::agents::Agents;
+use metrics::ControllerMetrics;
 
 pub use error::{ControllerError, agent_code, code_of};
 pub use publish::{Decision, decide_publication};
@@ -74,10 +76,13 @@ pub const DEFAULT_VOLUME_BYTES: u64 = 1 << 30;
 #[derive(Debug)]
 pub struct Controller {
     store: Arc<dyn StateStore>,
+    metrics: Arc<ControllerMetrics>,
     agents: Arc<Agents>,
     /// One call at a time per volume ID in this process.
     locks: LockById<String>,
     resync_lock: Mutex<()>,
+    /// When the resync loop last counted the volumes with a revoke pending.
+    revoking_counted: Mutex<Option<std::time::Instant>>,
 }
 
 impl Controller {
@@ -85,9 +90,16 @@ impl Controller {
     pub fn new(store: Arc<dyn StateStore>, agents: Arc<Agents>) -> Arc<Self> {
         Arc::new(Self {
             store,
+            metrics: Arc::new(ControllerMetrics::new()),
             agents,
             locks: LockById::new(),
             resync_lock: Mutex::new(()),
+            revoking_counted: Mutex::new(None),
         })
+    }
+
+    /// This controller's metrics (served by [`metrics::serve_metrics`]).
+    pub fn metrics(&self) -> Arc<ControllerMetrics> {
+        Arc::clone(&self.metrics)
     }
 }

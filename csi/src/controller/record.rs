@@ -93,7 +93,9 @@ impl Controller {
             };
             match written {
                 Ok(after) => return Ok((after, out)),
-                Err(e) if e.is_conflict() => continue,
+                Err(e) if e.is_conflict() => {
+                    self.metrics.cas_conflict("PillarVolumeState");
+                }
                 Err(e) if e.is_lifecycle_gone() => return Err(gone()),
                 Err(e) => return Err(e.into()),
             }

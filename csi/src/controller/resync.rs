@@ -19,12 +19,26 @@ use super::Controller;
 use super::agent::export_request;
 use super::error::{ControllerError, agent_err, describe};
 
+/// How often the resync loop counts the volumes with a revoke pending.
+const REVOKING_COUNT_EVERY: Duration = Duration::from_secs(60);
+
 /// How many volumes' resync tokens are taken at once.
 const RESYNC_TOKENS_IN_FLIGHT: usize = 32;
 
 impl Controller {
     /// Sends `agent` the complete export state of its node (C3). Each volume gets a fresh token.
     pub async fn resync_agent(
+        &self,
+        agent: &PillarAgent,
+    ) -> Result<agent_api::ResyncExportsResponse, ControllerError> {
+        let start = std::time::Instant::now();
+        let result = self.resync_agent_unmetered(agent).await;
+        self.metrics
+            .resync(result.is_ok(), start.elapsed().as_secs_f64());
+        result
+    }
+
+    async fn resync_agent_unmetered(
         &self,
         agent: &PillarAgent,
     ) -> Result<agent_api::ResyncExportsResponse, ControllerError> {
@@ -145,6 +159,7 @@ impl Controller {
     /// One round of the resync loop; stops before the next agent once `leadership` is lost
     /// (a replica that was paused past its renew deadline acts no more).
     async fn resync_round(&self, leadership: &Leadership) {
+        self.count_revoking().await;
         let agents = match self.store.list_agents().await {
             Ok(a) => a,
             Err(e) => {
@@ -165,10 +180,20 @@ impl Controller {
                     continue;
                 }
             };
-            match health.map(tonic::Response::into_inner) {
+            let health = health.map(tonic::Response::into_inner);
+            if let Ok(h) = &health {
+                self.metrics.agent_waiting(
+                    &name,
+                    h.state() == agent_api::health_response::State::WaitingForResync,
+                );
+            }
+            match health {
                 Ok(h) if h.state() == agent_api::health_response::State::WaitingForResync => {
-                    if let Err(e) = self.resync_agent(&agent).await {
-                        tracing::warn!(agent = %name, error = %describe(&e), "resync failed");
+                    match self.resync_agent(&agent).await {
+                        Ok(_) => self.metrics.agent_waiting(&name, false),
+                        Err(e) => {
+                            tracing::warn!(agent = %name, error = %describe(&e), "resync failed");
+                        }
                     }
                 }
                 Ok(h) if !h.unrestored_volume_ids.is_empty() => {
@@ -183,6 +208,33 @@ impl Controller {
         }
     }
 
+    /// Counts the volumes with a revoke pending, for `volumes_revoking`; at most once a minute
+    /// (it lists every volume).
+    async fn count_revoking(&self) {
+        {
+            let mut last = self.revoking_counted.lock().await;
+            if last.is_some_and(|t| t.elapsed() < REVOKING_COUNT_EVERY) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        match self.store.list_volumes().await {
+            Ok(volumes) => {
+                let n = volumes
+                    .iter()
+                    .filter(|v| {
+                        v.status_or_default()
+                            .published_nodes
+                            .iter()
+                            .any(|p| p.revoking)
+                    })
+                    .count();
+                self.metrics.set_volumes_revoking(n);
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot count revoking volumes"),
+        }
+    }
+
     /// Runs a resync round every `interval` while `leadership` holds (one controller replica
     /// runs the loop; the Lease decides which, [`pillar_state::lease`]).
     pub fn spawn_resync_loop(
@@ -191,6 +243,7 @@ impl Controller {
         leadership: Leadership,
     ) -> tokio::task::JoinHandle<()> {
         let me = Arc::clone(self);
+        self.metrics.watch_leadership(leadership.clone());
         tokio::spawn(every_round_while_leader(
             leadership.clone(),
             interval,

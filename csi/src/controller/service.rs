@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status};
 
 use super::Controller;
 use super::error::{ControllerError, to_status};
+use super::metrics::ControllerMetrics;
 use crate::csi;
 
 /// The tonic service over a [`Controller`].
@@ -23,20 +24,27 @@ impl ControllerService {
 }
 
 async fn respond<T>(
+    metrics: &ControllerMetrics,
     method: &'static str,
     volume: &str,
     work: impl Future<Output = Result<T, ControllerError>>,
 ) -> Result<Response<T>, Status> {
     use tracing::Instrument;
     let span = tracing::info_span!("csi", method, volume_id = volume);
-    match work.instrument(span.clone()).await {
+    let start = std::time::Instant::now();
+    let result = match work.instrument(span.clone()).await {
         Ok(v) => Ok(Response::new(v)),
         Err(e) => {
             let status = to_status(&e);
             span.in_scope(|| tracing::info!(code = ?status.code(), "{}", status.message()));
             Err(status)
         }
-    }
+    };
+    let code = result
+        .as_ref()
+        .map_or_else(Status::code, |_| tonic::Code::Ok);
+    metrics.csi_call(method, code, start.elapsed().as_secs_f64());
+    result
 }
 
 fn cap(t: csi::controller_service_capability::rpc::Type) -> csi::ControllerServiceCapability {
@@ -54,7 +62,13 @@ impl csi::controller_server::Controller for ControllerService {
         r: Request<csi::CreateVolumeRequest>,
     ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let r = r.into_inner();
-        respond("CreateVolume", &r.name.clone(), self.inner.create_volume(r)).await
+        respond(
+            &self.inner.metrics,
+            "CreateVolume",
+            &r.name.clone(),
+            self.inner.create_volume(r),
+        )
+        .await
     }
     async fn delete_volume(
         &self,
@@ -62,6 +76,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "DeleteVolume",
             &r.volume_id.clone(),
             self.inner.delete_volume(r),
@@ -74,6 +89,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "ControllerPublishVolume",
             &r.volume_id.clone(),
             self.inner.publish(r),
@@ -86,6 +102,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "ControllerUnpublishVolume",
             &r.volume_id.clone(),
             self.inner.unpublish(r),
@@ -98,6 +115,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "ValidateVolumeCapabilities",
             &r.volume_id.clone(),
             self.inner.validate(r),
@@ -108,13 +126,25 @@ impl csi::controller_server::Controller for ControllerService {
         &self,
         r: Request<csi::ListVolumesRequest>,
     ) -> Result<Response<csi::ListVolumesResponse>, Status> {
-        respond("ListVolumes", "", self.inner.list(r.into_inner())).await
+        respond(
+            &self.inner.metrics,
+            "ListVolumes",
+            "",
+            self.inner.list(r.into_inner()),
+        )
+        .await
     }
     async fn get_capacity(
         &self,
         r: Request<csi::GetCapacityRequest>,
     ) -> Result<Response<csi::GetCapacityResponse>, Status> {
-        respond("GetCapacity", "", self.inner.capacity(r.into_inner())).await
+        respond(
+            &self.inner.metrics,
+            "GetCapacity",
+            "",
+            self.inner.capacity(r.into_inner()),
+        )
+        .await
     }
     async fn controller_get_capabilities(
         &self,
@@ -150,6 +180,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "CreateSnapshot",
             &r.source_volume_id.clone(),
             self.inner.create_snapshot(r),
@@ -162,6 +193,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "DeleteSnapshot",
             &r.snapshot_id.clone(),
             self.inner.delete_snapshot(r),
@@ -173,6 +205,7 @@ impl csi::controller_server::Controller for ControllerService {
         r: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
         respond(
+            &self.inner.metrics,
             "ListSnapshots",
             "",
             self.inner.list_snapshots(r.into_inner()),
@@ -185,6 +218,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "GetSnapshot",
             &r.snapshot_id.clone(),
             self.inner.get_snapshot(r),
@@ -197,6 +231,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "ControllerExpandVolume",
             &r.volume_id.clone(),
             self.inner.expand(r),
@@ -209,6 +244,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
+            &self.inner.metrics,
             "ControllerGetVolume",
             &r.volume_id.clone(),
             self.inner.get(r),

@@ -81,7 +81,9 @@ impl Controller {
                 .await
             {
                 Ok(after) => return Ok((after, out)),
-                Err(e) if e.is_conflict() => continue,
+                Err(e) if e.is_conflict() => {
+                    self.metrics.cas_conflict("PillarSnapshotState");
+                }
                 Err(e) if e.is_lifecycle_gone() => return Err(gone()),
                 Err(e) => return Err(e.into()),
             }
@@ -292,7 +294,9 @@ impl Controller {
                     tracing::info!(snapshot = %name, "snapshot deleted");
                     return Ok(csi::DeleteSnapshotResponse {});
                 }
-                Err(e) if e.is_conflict() => continue,
+                Err(e) if e.is_conflict() => {
+                    self.metrics.cas_conflict("PillarSnapshotState");
+                }
                 Err(e) if e.is_lifecycle_gone() => return Ok(csi::DeleteSnapshotResponse {}),
                 Err(e) => return Err(e.into()),
             }

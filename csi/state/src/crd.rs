@@ -466,7 +466,7 @@ impl Default for NvmeTcp {
 }
 
 /// The three CustomResourceDefinitions as one multi-document YAML stream, as `crdgen` prints it
-/// and as `deploy/crds.yaml` holds it.
+/// and as `deploy/base/crds.yaml` holds it.
 pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
     let mut out = String::new();
     for crd in [

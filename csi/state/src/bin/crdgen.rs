@@ -1,5 +1,5 @@
 //! Prints pillar's CustomResourceDefinitions as one multi-document YAML stream
-//! (`deploy/crds.yaml` is this output, checked by a test).
+//! (`deploy/base/crds.yaml` is this output, checked by a test).
 
 use std::io::Write;
 use std::process::ExitCode;

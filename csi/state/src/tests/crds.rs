@@ -11,12 +11,12 @@ use crate::crd::{
 
 #[test]
 fn checked_in_crds_match_the_generated_ones() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/crds.yaml");
-    let checked_in = std::fs::read_to_string(path).expect("deploy/crds.yaml");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/base/crds.yaml");
+    let checked_in = std::fs::read_to_string(path).expect("deploy/base/crds.yaml");
     assert!(
         checked_in == crds_yaml().unwrap(),
-        "deploy/crds.yaml is stale: regenerate it with \
-         `cargo run -p pillar-state --bin crdgen > deploy/crds.yaml`"
+        "deploy/base/crds.yaml is stale: regenerate it with \
+         `cargo run -p pillar-state --bin crdgen > deploy/base/crds.yaml`"
     );
 }
 
