@@ -1250,3 +1250,58 @@ async fn the_controller_serves_its_metrics_over_http() {
     let other = http_get(addr, "/").await;
     assert!(other.starts_with("HTTP/1.1 404"), "{other}");
 }
+
+// What the resync loop saw of an agent is its PillarAgent status (issue 13 item 3): Serving with
+// the time of the resync that brought it back, then Unreachable with why once it is gone; written
+// only on a change (a round that sees the same writes nothing), and kept by a spec write.
+#[tokio::test]
+async fn the_agent_status_shows_what_the_resync_loop_saw() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        let agent = env.store.get_agent(AGENT).await.unwrap().unwrap();
+        let status = agent
+            .status
+            .clone()
+            .expect("a status after the first round");
+        assert_eq!(status.state, "Serving", "{kind:?}");
+        assert!(status.last_resync_time.is_some(), "{kind:?}");
+        assert!(status.last_transition_time.is_some(), "{kind:?}");
+        assert_eq!((status.exports_restored, status.exports_failed), (0, 0));
+        // The same again: no write.
+        let rv = agent.metadata.resource_version.clone();
+        env.controller.resync_waiting_agents().await;
+        let again = env.store.get_agent(AGENT).await.unwrap().unwrap();
+        assert_eq!(
+            again.metadata.resource_version, rv,
+            "{kind:?}: a write without a change"
+        );
+        // An operator edits the spec: the status stays.
+        let mut spec = again.spec.clone();
+        spec.nvme_address = "127.0.0.2".into();
+        env.store
+            .replace_agent_spec(AGENT, &Revision::of(&again).unwrap(), spec)
+            .await
+            .unwrap();
+        let edited = env.store.get_agent(AGENT).await.unwrap().unwrap();
+        assert_eq!(edited.status, again.status, "{kind:?}");
+
+        env.agent.stop().await;
+        env.controller.resync_waiting_agents().await;
+        let gone = env
+            .store
+            .get_agent(AGENT)
+            .await
+            .unwrap()
+            .unwrap()
+            .status
+            .unwrap();
+        assert_eq!(gone.state, "Unreachable", "{kind:?}");
+        assert!(!gone.message.is_empty(), "{kind:?}");
+        assert_eq!(gone.last_resync_time, status.last_resync_time, "{kind:?}");
+        assert_ne!(gone.last_transition_time, None);
+        if let Some(double) = &env.double {
+            let stored = double.object("pillaragents", AGENT).unwrap();
+            assert_eq!(stored["status"]["state"], "Unreachable");
+        }
+    }
+}

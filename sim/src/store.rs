@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use pillar_state::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
-    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
-    PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
+    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
+    PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
 use pillar_state::{PillarObject, Revision, StateStore, StoreError, VolumeEvent};
 
@@ -256,6 +256,17 @@ impl StateStore for SimStore {
             a.spec = spec;
         })
     }
+    async fn replace_agent_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarAgentStatus,
+    ) -> Result<PillarAgent, StoreError> {
+        let o = &mut *self.objects();
+        replace(&mut o.agents, &mut o.last_rv, name, expected, |a| {
+            a.status = Some(status);
+        })
+    }
     async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         let o = &mut *self.objects();
         delete(&mut o.agents, &mut o.last_rv, name, expected)
@@ -435,6 +446,16 @@ impl StateStore for ReplicaStore {
         spec: PillarAgentSpec,
     ) -> Result<PillarAgent, StoreError> {
         self.inner.replace_agent_spec(name, expected, spec).await
+    }
+    async fn replace_agent_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarAgentStatus,
+    ) -> Result<PillarAgent, StoreError> {
+        self.inner
+            .replace_agent_status(name, expected, status)
+            .await
     }
     async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.inner.delete_agent(name, expected).await

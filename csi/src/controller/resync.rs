@@ -14,10 +14,77 @@ use std::time::Duration;
 use pillar_agent_api::v1 as agent_api;
 use pillar_state::crd::{PillarAgent, PillarVolumeState};
 use pillar_state::lease::{Leadership, every_round_while_leader};
+use pillar_state::store::Revision;
 
 use super::Controller;
 use super::agent::export_request;
 use super::error::{ControllerError, agent_err, describe};
+
+/// What one round saw of an agent, for its status.
+struct Seen {
+    state: &'static str,
+    message: String,
+    /// Restored and failed exports, when this round resynced it.
+    resync: Option<(u32, u32)>,
+    /// Exports the agent still lists as not restored.
+    unrestored: Option<u32>,
+}
+
+impl Seen {
+    fn serving() -> Self {
+        Self {
+            state: "Serving",
+            message: String::new(),
+            resync: None,
+            unrestored: Some(0),
+        }
+    }
+
+    fn serving_with_unrestored(n: usize) -> Self {
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        Self {
+            message: format!("{n} export(s) not restored yet; exported again every round"),
+            unrestored: Some(n),
+            ..Self::serving()
+        }
+    }
+
+    fn resynced(response: &agent_api::ResyncExportsResponse) -> Self {
+        let count = |ok: bool| {
+            u32::try_from(response.results.iter().filter(|r| r.ok == ok).count())
+                .unwrap_or(u32::MAX)
+        };
+        let failed = count(false);
+        Self {
+            message: if failed == 0 {
+                String::new()
+            } else {
+                format!("{failed} export(s) not restored by the last resync")
+            },
+            resync: Some((count(true), failed)),
+            unrestored: None,
+            ..Self::serving()
+        }
+    }
+
+    fn waiting(message: String) -> Self {
+        Self {
+            state: "WaitingForResync",
+            message,
+            resync: None,
+            unrestored: None,
+        }
+    }
+
+    fn unreachable(message: String) -> Self {
+        Self {
+            state: "Unreachable",
+            message,
+            resync: None,
+            unrestored: None,
+        }
+    }
+}
 
 /// How often the resync loop counts the volumes with a revoke pending.
 const REVOKING_COUNT_EVERY: Duration = Duration::from_secs(60);
@@ -177,6 +244,8 @@ impl Controller {
                 Ok(mut c) => c.health(agent_api::HealthRequest {}).await,
                 Err(e) => {
                     tracing::debug!(agent = %name, error = %e, "agent unreachable");
+                    let seen = Seen::unreachable(crate::error_chain(&e));
+                    self.record_agent_status(&agent, seen).await;
                     continue;
                 }
             };
@@ -187,24 +256,63 @@ impl Controller {
                     h.state() == agent_api::health_response::State::WaitingForResync,
                 );
             }
-            match health {
+            let seen = match health {
                 Ok(h) if h.state() == agent_api::health_response::State::WaitingForResync => {
                     match self.resync_agent(&agent).await {
-                        Ok(_) => self.metrics.agent_waiting(&name, false),
+                        Ok(response) => {
+                            self.metrics.agent_waiting(&name, false);
+                            Seen::resynced(&response)
+                        }
                         Err(e) => {
                             tracing::warn!(agent = %name, error = %describe(&e), "resync failed");
+                            Seen::waiting(describe(&e))
                         }
                     }
                 }
                 Ok(h) if !h.unrestored_volume_ids.is_empty() => {
                     self.restore_exports(&agent, &h.unrestored_volume_ids).await;
+                    Seen::serving_with_unrestored(h.unrestored_volume_ids.len())
                 }
-                Ok(_) => {}
+                Ok(_) => Seen::serving(),
                 Err(status) => {
                     tracing::debug!(agent = %name, %status, "agent health failed");
                     self.agents.forget(&name).await;
+                    Seen::unreachable(status.message().to_owned())
                 }
-            }
+            };
+            self.record_agent_status(&agent, seen).await;
+        }
+    }
+
+    /// Writes what this round saw of `agent` into its status, only when that changed (one
+    /// compare-and-swap against the record the round read; a conflict waits for the next
+    /// round). Best-effort: the status is for operators.
+    async fn record_agent_status(&self, agent: &PillarAgent, seen: Seen) {
+        let name = agent.metadata.name.clone().unwrap_or_default();
+        let current = agent.status.clone().unwrap_or_default();
+        let now = pillar_state::condition::now();
+        let mut next = current.clone();
+        if next.state != seen.state {
+            next.state = seen.state.to_owned();
+            next.last_transition_time = Some(now.clone());
+        }
+        next.message = seen.message;
+        if let Some((restored, failed)) = seen.resync {
+            next.last_resync_time = Some(now);
+            next.exports_restored = restored;
+            next.exports_failed = failed;
+        } else if let Some(unrestored) = seen.unrestored {
+            next.exports_failed = unrestored;
+        }
+        if next == current {
+            return;
+        }
+        let written = match Revision::of(agent) {
+            Ok(rev) => self.store.replace_agent_status(&name, &rev, next).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            tracing::debug!(agent = %name, error = %e, "agent status not written this round");
         }
     }
 

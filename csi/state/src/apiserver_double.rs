@@ -146,7 +146,7 @@ const KINDS: [KindInfo; 4] = [
     KindInfo {
         plural: "pillaragents",
         kind: "PillarAgent",
-        has_status: false,
+        has_status: true,
     },
     KindInfo {
         plural: "pillarprotocols",

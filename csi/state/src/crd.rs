@@ -294,6 +294,32 @@ impl PillarSnapshotState {
     }
 }
 
+/// What the controller's resync loop (on the Lease holder) last saw of an agent. Written only
+/// when it changes; an operator's view, never an input to a safety decision.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PillarAgentStatus {
+    /// `Serving`, `WaitingForResync` (it refuses exports until the controller resyncs it) or
+    /// `Unreachable`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub state: String,
+    /// Why it is unreachable, or what its last resync left undone.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// When `state` last changed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<String>,
+    /// When the controller last resynced its exports (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_resync_time: Option<String>,
+    /// Exports that resync restored.
+    #[serde(default)]
+    pub exports_restored: u32,
+    /// Exports that resync could not restore (the agent keeps asking for them).
+    #[serde(default)]
+    pub exports_failed: u32,
+}
+
 /// One storage node's agent.
 // clippy reads repeated `type_ = ".."` inside separate `printcolumn(..)` groups as duplicates.
 #[allow(clippy::duplicated_attributes)]
@@ -304,11 +330,23 @@ impl PillarSnapshotState {
     kind = "PillarAgent",
     plural = "pillaragents",
     shortname = "pillaragent",
+    status = "PillarAgentStatus",
     derive = "PartialEq",
     doc = "One storage node's pillar agent",
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.node"),
     printcolumn(name = "Address", type_ = "string", json_path = ".spec.address"),
     printcolumn(name = "NVMe", type_ = "string", json_path = ".spec.nvmeAddress"),
+    printcolumn(
+        name = "State",
+        type_ = "string",
+        description = "Serving, WaitingForResync or Unreachable, as the leader last saw it",
+        json_path = ".status.state"
+    ),
+    printcolumn(
+        name = "LastResync",
+        type_ = "date",
+        json_path = ".status.lastResyncTime"
+    ),
     printcolumn(
         name = "Age",
         type_ = "date",

@@ -41,9 +41,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use tokio::sync::Mutex;
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
-    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
-    PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
+    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
+    PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
 use crate::store::{PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name};
 
@@ -726,6 +726,17 @@ impl StateStore for EmbeddedStore {
     ) -> Result<PillarAgent, StoreError> {
         self.replace(name, expected, move |a: &mut PillarAgent| a.spec = spec)
             .await
+    }
+    async fn replace_agent_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarAgentStatus,
+    ) -> Result<PillarAgent, StoreError> {
+        self.replace(name, expected, move |a: &mut PillarAgent| {
+            a.status = Some(status);
+        })
+        .await
     }
     async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.delete::<PillarAgent>(name, expected).await

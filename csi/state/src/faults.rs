@@ -15,9 +15,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use async_trait::async_trait;
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
-    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
-    PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
+    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
+    PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
 use crate::store::{Revision, StateStore, StoreError, VolumeEvent};
 
@@ -267,6 +267,16 @@ impl StateStore for FaultyStore {
         spec: PillarAgentSpec,
     ) -> Result<PillarAgent, StoreError> {
         self.inner.replace_agent_spec(name, expected, spec).await
+    }
+    async fn replace_agent_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarAgentStatus,
+    ) -> Result<PillarAgent, StoreError> {
+        self.inner
+            .replace_agent_status(name, expected, status)
+            .await
     }
     async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.inner.delete_agent(name, expected).await

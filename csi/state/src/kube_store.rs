@@ -28,9 +28,9 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::core::Status;
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
-    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
-    PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
+    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
+    PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
 use crate::store::{PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name};
 
@@ -413,6 +413,15 @@ impl StateStore for KubeStore {
         spec: PillarAgentSpec,
     ) -> Result<PillarAgent, StoreError> {
         self.replace_spec::<PillarAgent>(name, expected, spec).await
+    }
+    async fn replace_agent_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarAgentStatus,
+    ) -> Result<PillarAgent, StoreError> {
+        self.replace_status::<PillarAgent>(name, expected, &status)
+            .await
     }
     async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.delete::<PillarAgent>(name, expected).await

@@ -19,9 +19,9 @@ use kube::Resource;
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarProtocol, PillarProtocolSpec, PillarSnapshotState,
-    PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState, PillarVolumeStateSpec,
-    PillarVolumeStateStatus,
+    PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
+    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
+    PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
 
 /// The object a compare-and-swap expects to find: one lifecycle (UID) at one resourceVersion.
@@ -293,6 +293,13 @@ pub trait StateStore: Send + Sync + Debug {
         name: &str,
         expected: &Revision,
         spec: PillarAgentSpec,
+    ) -> Result<PillarAgent, StoreError>;
+    /// Replaces an agent's status if it is still `expected`.
+    async fn replace_agent_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: PillarAgentStatus,
     ) -> Result<PillarAgent, StoreError>;
     /// Deletes an agent record if it is still `expected`.
     async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
