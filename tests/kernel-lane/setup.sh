@@ -83,18 +83,9 @@ APT_SID=(
   -o "Dir::Cache::srcpkgcache=srcpkgcache.bin"
 )
 
-# The Debian archive URI the machine's apt already uses (deb822 or one-line format).
-machine_debian_uri() {
-  local uri=""
-  if [[ -r /etc/apt/sources.list.d/debian.sources ]]; then
-    uri=$(awk '/^URIs:/ && $2 !~ /-security/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources)
-  fi
-  if [[ -z $uri && -r /etc/apt/sources.list ]]; then
-    uri=$(awk '$1 == "deb" && $0 !~ /-security/ { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' /etc/apt/sources.list)
-  fi
-  [[ -n $uri ]] || die "cannot find the Debian archive URI in the machine's apt sources"
-  printf '%s\n' "$uri"
-}
+# machine_debian_uri, shared with scripts/build-images.sh.
+# shellcheck source=../../scripts/debian-mirror.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/debian-mirror.sh"
 
 prepare_sid_state() {
   local uri age_min=$((SID_LISTS_MAX_AGE_H * 60))
