@@ -1094,10 +1094,11 @@ async fn a_failed_revoke_and_a_missing_agent_are_conditions_and_events() {
     for kind in STORES {
         let mut env = Env::start(kind, true).await;
         for vol in ["rv-ok", "rv-stuck"] {
-            env.client
-                .create_volume(create(vol, Mode::SingleNodeWriter))
-                .await
-                .unwrap();
+            // external-provisioner's --extra-create-metadata names the PersistentVolume.
+            let mut req = create(vol, Mode::SingleNodeWriter);
+            req.parameters
+                .insert("csi.storage.k8s.io/pv/name".into(), format!("pv-{vol}"));
+            env.client.create_volume(req).await.unwrap();
             env.client
                 .controller_publish_volume(publish(vol, 1, Mode::SingleNodeWriter, false))
                 .await
@@ -1160,6 +1161,33 @@ async fn a_failed_revoke_and_a_missing_agent_are_conditions_and_events() {
         );
         let v = env.store.get_volume("rv-stuck").await.unwrap().unwrap();
         assert_eq!(v.status_or_default().published_nodes.len(), 1, "{kind:?}");
+        // The same warnings about the PersistentVolume (`kubectl describe pv`), the
+        // PillarVolumeState as the related object.
+        if let Some(double) = &env.double {
+            let about_pv: Vec<(String, String)> = double
+                .events()
+                .into_iter()
+                .filter(|e| {
+                    e["regarding"]["kind"] == "PersistentVolume"
+                        && e["regarding"]["name"] == "pv-rv-stuck"
+                })
+                .map(|e| {
+                    assert_eq!(e["related"]["name"], "rv-stuck");
+                    assert_eq!(e["related"]["kind"], "PillarVolumeState");
+                    (
+                        e["type"].as_str().unwrap().to_owned(),
+                        e["reason"].as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect();
+            assert_eq!(
+                about_pv,
+                [
+                    ("Warning".to_owned(), "RevokeFailed".to_owned()),
+                    ("Warning".to_owned(), "AgentMissing".to_owned())
+                ]
+            );
+        }
     }
 }
 

@@ -20,6 +20,18 @@ pub(super) struct VolumeAgent {
     pub client: Client,
     pub name: String,
     pub uid: String,
+    /// The PersistentVolume the sidecars named, for events.
+    pub pv: Option<String>,
+}
+
+/// The PersistentVolume the sidecars named at CreateVolume, if they did.
+pub(super) fn pv_of(volume: &PillarVolumeState) -> Option<String> {
+    volume
+        .spec
+        .parameters
+        .get(pillar_state::store::PV_NAME_PARAMETER)
+        .filter(|pv| !pv.is_empty())
+        .cloned()
 }
 
 impl Controller {
@@ -32,7 +44,7 @@ impl Controller {
         let name = &volume.spec.agent;
         let Some(agent) = self.store.get_agent(name).await? else {
             let uid = volume.metadata.uid.clone().unwrap_or_default();
-            self.warn_agent_missing(&volume.spec.volume_id, &uid, name)
+            self.warn_agent_missing(&volume.spec.volume_id, &uid, pv_of(volume), name)
                 .await;
             return Err(ControllerError::AgentMissing {
                 volume: volume.spec.volume_id.clone(),
@@ -45,6 +57,7 @@ impl Controller {
             client,
             name: volume.spec.volume_id.clone(),
             uid: volume.metadata.uid.clone().unwrap_or_default(),
+            pv: pv_of(volume),
         })
     }
 

@@ -167,12 +167,14 @@ impl Controller {
         &self,
         volume: &str,
         uid: &str,
+        pv: Option<String>,
         node: &str,
         error: &str,
     ) {
         self.record_event(VolumeEvent {
             volume: volume.to_owned(),
             uid: uid.to_owned(),
+            pv,
             type_: EventType::Warning,
             reason: EVENT_REVOKE_FAILED.to_owned(),
             action: "Unpublish".to_owned(),
@@ -185,10 +187,17 @@ impl Controller {
 
     /// The Warning event for a volume whose PillarAgent does not exist: pillar refuses to act
     /// without its storage node (C1, W4).
-    pub(super) async fn warn_agent_missing(&self, volume: &str, uid: &str, agent: &str) {
+    pub(super) async fn warn_agent_missing(
+        &self,
+        volume: &str,
+        uid: &str,
+        pv: Option<String>,
+        agent: &str,
+    ) {
         self.record_event(VolumeEvent {
             volume: volume.to_owned(),
             uid: uid.to_owned(),
+            pv,
             type_: EventType::Warning,
             reason: EVENT_AGENT_MISSING.to_owned(),
             action: "ReachStorageNode".to_owned(),
@@ -201,10 +210,17 @@ impl Controller {
     }
 
     /// The Warning event for `AclDisabled` turning True on `volume` (lifecycle `uid`).
-    pub(super) async fn warn_acl_disabled(&self, volume: &str, uid: &str, protocol: &str) {
+    pub(super) async fn warn_acl_disabled(
+        &self,
+        volume: &str,
+        uid: &str,
+        pv: Option<String>,
+        protocol: &str,
+    ) {
         self.record_event(VolumeEvent {
             volume: volume.to_owned(),
             uid: uid.to_owned(),
+            pv,
             type_: EventType::Warning,
             reason: ACL_DISABLED.to_owned(),
             action: "Publish".to_owned(),

@@ -249,7 +249,7 @@ impl Controller {
         if !acl && acl_change.is_transition() {
             // One event per transition to True: a retried publish, or another node's, finds
             // the condition already True and records none.
-            self.warn_acl_disabled(&name, &target.uid, &state.spec.protocol)
+            self.warn_acl_disabled(&name, &target.uid, target.pv.clone(), &state.spec.protocol)
                 .await;
         }
         let recorded = PublishedNode {
@@ -375,8 +375,14 @@ impl Controller {
                 return Ok(());
             }
             Err(e) => {
-                self.warn_revoke_failed(name, uid, &publication.node, &describe(&e))
-                    .await;
+                self.warn_revoke_failed(
+                    name,
+                    uid,
+                    target.pv.clone(),
+                    &publication.node,
+                    &describe(&e),
+                )
+                .await;
                 return Err(e);
             }
         }

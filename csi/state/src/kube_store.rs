@@ -102,6 +102,28 @@ pub fn event_object(
     }
 }
 
+/// The same event about the PersistentVolume `pv` (core v1, cluster-scoped, so also in
+/// [`EVENT_NAMESPACE`]), with the PillarVolumeState as the related object.
+pub fn pv_event_object(
+    event: &VolumeEvent,
+    pv: &str,
+    reporting_instance: &str,
+    now: k8s_openapi::jiff::Timestamp,
+) -> Event {
+    let mut obj = event_object(event, reporting_instance, now);
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let prefix = cut(pv, 253 - suffix.len() - 1).trim_end_matches(['.', '-']);
+    obj.metadata.name = Some(format!("{prefix}.{suffix}"));
+    obj.related = obj.regarding.take();
+    obj.regarding = Some(ObjectReference {
+        api_version: Some("v1".to_owned()),
+        kind: Some("PersistentVolume".to_owned()),
+        name: Some(pv.to_owned()),
+        ..ObjectReference::default()
+    });
+    obj
+}
+
 /// What an API failure means for one operation.
 #[derive(Clone, Copy)]
 enum Verb {
@@ -330,6 +352,31 @@ impl KubeStore {
     }
 }
 
+impl KubeStore {
+    async fn create_event(&self, event: &VolumeEvent, obj: Event) -> Result<(), StoreError> {
+        let name = obj.metadata.name.clone().unwrap_or_default();
+        let api: Api<Event> = Api::namespaced(self.client.clone(), EVENT_NAMESPACE);
+        match api.create(&PostParams::default(), &obj).await {
+            Ok(_) => {
+                tracing::debug!(volume = %event.volume, event = %name, reason = %event.reason, "event recorded");
+                Ok(())
+            }
+            Err(kube::Error::Api(status)) => Err(StoreError::Refused {
+                verb: "create",
+                kind: "Event",
+                name,
+                source: status,
+            }),
+            Err(source) => Err(StoreError::Kube {
+                verb: "create",
+                kind: "Event",
+                name,
+                source,
+            }),
+        }
+    }
+}
+
 #[async_trait]
 impl StateStore for KubeStore {
     async fn get_volume(&self, name: &str) -> Result<Option<PillarVolumeState>, StoreError> {
@@ -455,30 +502,16 @@ impl StateStore for KubeStore {
 
     async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
         validate_name(PillarVolumeState::KIND, &event.volume)?;
-        let obj = event_object(
-            event,
-            &self.reporting_instance,
-            k8s_openapi::jiff::Timestamp::now(),
-        );
-        let name = obj.metadata.name.clone().unwrap_or_default();
-        let api: Api<Event> = Api::namespaced(self.client.clone(), EVENT_NAMESPACE);
-        match api.create(&PostParams::default(), &obj).await {
-            Ok(_) => {
-                tracing::debug!(volume = %event.volume, event = %name, reason = %event.reason, "event recorded");
-                Ok(())
-            }
-            Err(kube::Error::Api(status)) => Err(StoreError::Refused {
-                verb: "create",
-                kind: "Event",
-                name,
-                source: status,
-            }),
-            Err(source) => Err(StoreError::Kube {
-                verb: "create",
-                kind: "Event",
-                name,
-                source,
-            }),
+        let now = k8s_openapi::jiff::Timestamp::now();
+        self.create_event(event, event_object(event, &self.reporting_instance, now))
+            .await?;
+        if let Some(pv) = &event.pv {
+            self.create_event(
+                event,
+                pv_event_object(event, pv, &self.reporting_instance, now),
+            )
+            .await?;
         }
+        Ok(())
     }
 }

@@ -207,7 +207,15 @@ pub struct VolumeEvent {
     pub action: String,
     /// For humans; cut to 1 KiB. Never a request or a secret.
     pub note: String,
+    /// The PersistentVolume the sidecars named for the volume (CreateVolume parameter
+    /// [`PV_NAME_PARAMETER`]), if any: the event is recorded about it too, so `kubectl describe
+    /// pv` shows it.
+    pub pv: Option<String>,
 }
+
+/// The CreateVolume parameter external-provisioner sets to the PersistentVolume's name (with
+/// `--extra-create-metadata`).
+pub const PV_NAME_PARAMETER: &str = "csi.storage.k8s.io/pv/name";
 
 /// The most a note may hold (`events.k8s.io/v1` refuses longer ones).
 pub const EVENT_NOTE_LIMIT: usize = 1024;

@@ -17,6 +17,7 @@ fn event(volume: &str) -> VolumeEvent {
         reason: "AclDisabled".into(),
         action: "Publish".into(),
         note: "published under acl: false".into(),
+        pv: None,
     }
 }
 
