@@ -1212,7 +1212,8 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 }
 
 // The controller's metrics over real HTTP: CSI calls by method and code, agent calls by call and
-// answer, compare-and-swap conflicts; nothing but /metrics is served.
+// answer, compare-and-swap conflicts; nothing but /metrics is served. A refused call is also a
+// Warning event on the volume.
 #[tokio::test]
 async fn the_controller_serves_its_metrics_over_http() {
     let env = Env::start(StoreKind::Kube, true).await;
@@ -1238,6 +1239,17 @@ async fn the_controller_serves_its_metrics_over_http() {
         .await
         .expect_err("a published volume is not deleted");
     assert_eq!(refused.code(), Code::FailedPrecondition);
+    // proves W5 (visible): the refusal is a Warning on the volume, naming the call and why.
+    assert_eq!(
+        env.events("m-vol"),
+        [("Warning".to_owned(), "Refused".to_owned())]
+    );
+    let event = env.double.as_ref().unwrap().events().pop().unwrap();
+    assert_eq!(event["action"], "DeleteVolume");
+    assert!(
+        event["note"].as_str().unwrap().contains("still published"),
+        "{event}"
+    );
 
     let response = http_get(addr, "/metrics").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");

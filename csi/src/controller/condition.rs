@@ -33,6 +33,8 @@ pub const REASON_NO_REVOKE: &str = "NoRevokePending";
 
 /// Event reason: the storage node did not confirm a revoke.
 pub const EVENT_REVOKE_FAILED: &str = "RevokeFailed";
+/// Event reason: a CSI call was refused by a rule (FAILED_PRECONDITION).
+pub const EVENT_REFUSED: &str = "Refused";
 /// Event reason: the volume's PillarAgent does not exist.
 pub const EVENT_AGENT_MISSING: &str = "AgentMissing";
 
@@ -44,7 +46,7 @@ pub fn acl_off_message(protocol: &str) -> String {
     format!(
         "published under PillarProtocol {protocol} with acl: false: any host that reaches the \
          NVMe/TCP port can connect, and unpublishing cannot keep a lost node out (docs/rules.md \
-         W6, W7; set acl: true)"
+         W6, W7; set acl: true; docs/runbook.md, \"AclDisabled\")"
     )
 }
 
@@ -205,6 +207,24 @@ impl Controller {
                 "PillarAgent {agent} does not exist: pillar refuses to change the volume without \
                  its storage node (docs/runbook.md, \"A storage node that will not come back\")"
             ),
+        })
+        .await;
+    }
+
+    /// The Warning event for a CSI call on `volume` refused by a rule; nothing when there is
+    /// no record to attach it to (the refusal then is about the request, not a volume).
+    pub(super) async fn warn_refused(&self, method: &'static str, volume: &str, message: &str) {
+        let Ok(Some(state)) = self.store.get_volume(volume).await else {
+            return;
+        };
+        self.record_event(VolumeEvent {
+            volume: volume.to_owned(),
+            uid: state.metadata.uid.clone().unwrap_or_default(),
+            pv: super::agent::pv_of(&state),
+            type_: EventType::Warning,
+            reason: EVENT_REFUSED.to_owned(),
+            action: method.to_owned(),
+            note: message.to_owned(),
         })
         .await;
     }

@@ -7,7 +7,6 @@ use tonic::{Request, Response, Status};
 
 use super::Controller;
 use super::error::{ControllerError, to_status};
-use super::metrics::ControllerMetrics;
 use crate::csi;
 
 /// The tonic service over a [`Controller`].
@@ -24,7 +23,7 @@ impl ControllerService {
 }
 
 async fn respond<T>(
-    metrics: &ControllerMetrics,
+    controller: &Controller,
     method: &'static str,
     volume: &str,
     work: impl Future<Output = Result<T, ControllerError>>,
@@ -37,13 +36,25 @@ async fn respond<T>(
         Err(e) => {
             let status = to_status(&e);
             span.in_scope(|| tracing::info!(code = ?status.code(), "{}", status.message()));
+            // A refusal (a rule that holds until something changes) is an operator's
+            // business: a Warning on the volume. A missing agent has its own.
+            if status.code() == tonic::Code::FailedPrecondition
+                && !matches!(e, ControllerError::AgentMissing { .. })
+            {
+                controller
+                    .warn_refused(method, volume, status.message())
+                    .instrument(span)
+                    .await;
+            }
             Err(status)
         }
     };
     let code = result
         .as_ref()
         .map_or_else(Status::code, |_| tonic::Code::Ok);
-    metrics.csi_call(method, code, start.elapsed().as_secs_f64());
+    controller
+        .metrics
+        .csi_call(method, code, start.elapsed().as_secs_f64());
     result
 }
 
@@ -63,7 +74,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "CreateVolume",
             &r.name.clone(),
             self.inner.create_volume(r),
@@ -76,7 +87,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "DeleteVolume",
             &r.volume_id.clone(),
             self.inner.delete_volume(r),
@@ -89,7 +100,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "ControllerPublishVolume",
             &r.volume_id.clone(),
             self.inner.publish(r),
@@ -102,7 +113,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "ControllerUnpublishVolume",
             &r.volume_id.clone(),
             self.inner.unpublish(r),
@@ -115,7 +126,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "ValidateVolumeCapabilities",
             &r.volume_id.clone(),
             self.inner.validate(r),
@@ -127,7 +138,7 @@ impl csi::controller_server::Controller for ControllerService {
         r: Request<csi::ListVolumesRequest>,
     ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "ListVolumes",
             "",
             self.inner.list(r.into_inner()),
@@ -139,7 +150,7 @@ impl csi::controller_server::Controller for ControllerService {
         r: Request<csi::GetCapacityRequest>,
     ) -> Result<Response<csi::GetCapacityResponse>, Status> {
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "GetCapacity",
             "",
             self.inner.capacity(r.into_inner()),
@@ -180,7 +191,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "CreateSnapshot",
             &r.source_volume_id.clone(),
             self.inner.create_snapshot(r),
@@ -193,7 +204,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "DeleteSnapshot",
             &r.snapshot_id.clone(),
             self.inner.delete_snapshot(r),
@@ -205,7 +216,7 @@ impl csi::controller_server::Controller for ControllerService {
         r: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "ListSnapshots",
             "",
             self.inner.list_snapshots(r.into_inner()),
@@ -218,7 +229,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "GetSnapshot",
             &r.snapshot_id.clone(),
             self.inner.get_snapshot(r),
@@ -231,7 +242,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "ControllerExpandVolume",
             &r.volume_id.clone(),
             self.inner.expand(r),
@@ -244,7 +255,7 @@ impl csi::controller_server::Controller for ControllerService {
     ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
         let r = r.into_inner();
         respond(
-            &self.inner.metrics,
+            &self.inner,
             "ControllerGetVolume",
             &r.volume_id.clone(),
             self.inner.get(r),
