@@ -10,11 +10,15 @@
 #   $LANE_STATE/kernels/<label>        symlink label (bookworm, sid) -> <kver>
 #   $LANE_STATE/share/                 default read-write share for the guest
 #   $LANE_STATE/logs/                  serial console logs
+#   $ZFS_DIR/                          ZFS packages, module builds and userland (see setup.sh)
 
 LANE_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PROJECT_DIR=$(cd "$LANE_DIR/../.." && pwd)
 LANE_STATE=${KERNEL_LANE_STATE:-${CARGO_TARGET_DIR:-$PROJECT_DIR/target}/kernel-lane}
 KERNELS_DIR=$LANE_STATE/kernels
+# The ZFS module builds (minutes each) and userland, per kernel and ZFS version: outside the lane
+# state so a fresh checkout on this machine reuses them (CI works without them: they are built).
+ZFS_DIR=${KERNEL_LANE_ZFS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pillar/kernel-lane-zfs}
 GUEST_DIR=$LANE_DIR/guest
 
 # Modules the initramfs needs to reach the 9p root and build the overlay.

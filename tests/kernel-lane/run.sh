@@ -123,7 +123,7 @@ for k in "${KERNELS[@]}"; do
   extra=()
   unset PILLAR_LANE_ZFS_USERLAND
   if [[ -f $kdir/zfs.ready ]]; then
-    export PILLAR_LANE_ZFS_USERLAND=$LANE_STATE/zfs/userland-$(cat "$kdir/zfs.ready")
+    export PILLAR_LANE_ZFS_USERLAND=$ZFS_DIR/userland-$(cat "$kdir/zfs.ready")
   elif [[ -f $kdir/zfs.unsupported && " ${EXPECTED[*]} " == *" s13_zfs "* ]]; then
     NOT_RUN[$k]=$(cat "$kdir/zfs.unsupported")
     extra=(--skip s13_zfs)

@@ -13,13 +13,15 @@
 #   SID_LISTS_MAX_AGE_H   refresh the private sid package lists when older (default 24 hours)
 #   KERNEL_LANE_STATE     state folder (default <cargo target dir>/kernel-lane)
 #   KERNEL_LANE_ZFS=0     do not prepare ZFS (scenario 13 then fails: nothing to test it on)
+#   KERNEL_LANE_ZFS_CACHE where the ZFS builds are kept (default ~/.cache/pillar/kernel-lane-zfs)
 #
 # ZFS (scenario 13): Debian's zfs-dkms and zfsutils-linux from bookworm's contrib component,
 # through a private apt state. The module is built on the host against each lane kernel's
 # linux-headers (dpkg -x, never installed) when the ZFS release supports that kernel
 # (META's Linux-Maximum), cached per kernel and ZFS version, and put into the kernel's module
 # tree (updates/zfs, depmod); `zfs.ready` in the kernel's folder names the ZFS version. The
-# userland is unpacked to $LANE_STATE/zfs/userland-<version>; the guest runs it from there.
+# userland is unpacked to $ZFS_DIR/userland-<version> (lib.sh: a cache outside the lane state,
+# KERNEL_LANE_ZFS_CACHE); the guest runs it from there.
 set -euo pipefail
 
 LOG_TAG=setup
@@ -171,7 +173,6 @@ download_parts() {  # download_parts CONTEXT PKG...
 
 # ---------------------------------------------------------------- ZFS
 
-ZFS_DIR=$LANE_STATE/zfs
 CONTRIB_DIR=$LANE_STATE/apt-contrib
 APT_CONTRIB=(
   -o "Dir::Etc::SourceList=$CONTRIB_DIR/sources.list"
