@@ -144,8 +144,10 @@ impl ZfsBackend {
         source: &VolumeId,
         snapshot: &VolumeId,
     ) -> Result<SnapshotInfo, BackendError> {
-        if let Some(existing) = self.lookup_snapshot(snapshot).await? {
-            return Ok(existing);
+        // One listing answers both: does it exist, and does a kept deleted one hold its name.
+        let rows = self.snapshots().await?;
+        if let Some(i) = owned_snapshot(snapshot, &rows)? {
+            return Ok(snapshot_info(snapshot, &rows[i]));
         }
         let zvol = self.dataset(source)?;
         let full = self.snapshot_name(&zvol, snapshot.as_str(), snapshot)?;
@@ -156,7 +158,7 @@ impl ZfsBackend {
         };
         self.owned(source, row)?;
         // A deleted snapshot that ZFS keeps for its restored volumes may still hold the name.
-        for old in self.snapshots().await? {
+        for old in &rows {
             if old.zvol == zvol && old.short == snapshot.as_str() && old.deferred {
                 let aside = format!("{zvol}@{RETIRED_PREFIX}{}:{}", old.short, old.guid);
                 let args = ["rename", &old.full(), &aside].map(String::from);
@@ -186,12 +188,10 @@ impl ZfsBackend {
         &self,
         snapshot: &VolumeId,
     ) -> Result<Option<SnapshotInfo>, BackendError> {
-        Ok(self.find_snapshot(snapshot).await?.map(|row| SnapshotInfo {
-            snapshot: snapshot.clone(),
-            size_bytes: row.volsize,
-            created: std::time::UNIX_EPOCH + Duration::from_secs(row.creation),
-            method: None,
-        }))
+        Ok(self
+            .find_snapshot(snapshot)
+            .await?
+            .map(|row| snapshot_info(snapshot, &row)))
     }
 
     /// `zfs destroy -d`: with no restored volumes the snapshot goes at once; with some, ZFS
@@ -235,6 +235,17 @@ impl ZfsBackend {
             }
             return self.create(volume, size).await;
         }
+        // Checked before anything is cut: a refused clone leaves no hidden origin behind.
+        let refuse_smaller = |source_bytes: u64| {
+            if size < source_bytes {
+                return Err(BackendError::SmallerThanSource {
+                    volume: volume.clone(),
+                    source_bytes,
+                    requested: size,
+                });
+            }
+            Ok(source_bytes)
+        };
         let (origin, source_bytes) = match source {
             ContentSource::Snapshot(id) => {
                 let row = self.find_snapshot(id).await?.ok_or_else(|| {
@@ -242,7 +253,7 @@ impl ZfsBackend {
                         snapshot: id.clone(),
                     }
                 })?;
-                (row.full(), row.volsize)
+                (row.full(), refuse_smaller(row.volsize)?)
             }
             ContentSource::Volume(id) => {
                 let zvol = self.dataset(id)?;
@@ -251,16 +262,10 @@ impl ZfsBackend {
                     .await?
                     .ok_or_else(|| BackendError::NotFound { volume: id.clone() })?;
                 let row = self.owned(id, row)?;
-                (self.clone_origin(&zvol, volume).await?, row.volsize)
+                let source_bytes = refuse_smaller(row.volsize)?;
+                (self.clone_origin(&zvol, volume).await?, source_bytes)
             }
         };
-        if size < source_bytes {
-            return Err(BackendError::SmallerThanSource {
-                volume: volume.clone(),
-                source_bytes,
-                requested: size,
-            });
-        }
         let args = [
             "clone",
             "-o",
@@ -320,22 +325,8 @@ impl ZfsBackend {
     /// The live snapshot `snapshot` of any zvol under the parent; [`BackendError::NotOwned`]
     /// if it is not one pillar cut.
     async fn find_snapshot(&self, snapshot: &VolumeId) -> Result<Option<SnapRow>, BackendError> {
-        let Some(row) = self
-            .snapshots()
-            .await?
-            .into_iter()
-            .find(|r| r.short == snapshot.as_str() && !r.deferred)
-        else {
-            return Ok(None);
-        };
-        if row.owner != SNAPSHOT_OWNER {
-            return Err(BackendError::NotOwned {
-                volume: snapshot.clone(),
-                object: format!("snapshot {}", row.full()),
-                reason: "no io.pillar-csi:owner=pillar-snapshot property",
-            });
-        }
-        Ok(Some(row))
+        let mut rows = self.snapshots().await?;
+        Ok(owned_snapshot(snapshot, &rows)?.map(|i| rows.swap_remove(i)))
     }
 
     /// Why `volume` cannot be destroyed yet, if it cannot: a snapshot of it, or a clone made
@@ -721,6 +712,35 @@ impl ZfsBackend {
             .await
             .map(|out| out.stdout)
             .map_err(|source| BackendError::Command { step, source })
+    }
+}
+
+/// Where the live snapshot `snapshot` is among `rows`; [`BackendError::NotOwned`] if it is
+/// not one pillar cut.
+fn owned_snapshot(snapshot: &VolumeId, rows: &[SnapRow]) -> Result<Option<usize>, BackendError> {
+    let Some(i) = rows
+        .iter()
+        .position(|r| r.short == snapshot.as_str() && !r.deferred)
+    else {
+        return Ok(None);
+    };
+    let row = &rows[i];
+    if row.owner != SNAPSHOT_OWNER {
+        return Err(BackendError::NotOwned {
+            volume: snapshot.clone(),
+            object: format!("snapshot {}", row.full()),
+            reason: "no io.pillar-csi:owner=pillar-snapshot property",
+        });
+    }
+    Ok(Some(i))
+}
+
+fn snapshot_info(snapshot: &VolumeId, row: &SnapRow) -> SnapshotInfo {
+    SnapshotInfo {
+        snapshot: snapshot.clone(),
+        size_bytes: row.volsize,
+        created: std::time::UNIX_EPOCH + Duration::from_secs(row.creation),
+        method: None,
     }
 }
 
