@@ -26,9 +26,17 @@ import sys
 
 import jsonschema
 import kubernetes_validate
+import kubernetes_validate.utils
 import yaml
 
-KUBERNETES_VERSIONS = ["1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0"]
+# Every Kubernetes version the installed kubernetes-validate knows, from 1.31 (the oldest pillar
+# supports) on: a newer package brings newer versions in without an edit here.
+OLDEST_SUPPORTED = (1, 31)
+KUBERNETES_VERSIONS = sorted(
+    {v for v in kubernetes_validate.utils.all_versions()
+     if tuple(int(x) for x in v.split(".")[:2]) >= OLDEST_SUPPORTED},
+    key=lambda v: tuple(int(x) for x in v.split(".")),
+)
 PILLAR_GROUP = "pillar-csi.io"
 PILLAR_IMAGES = {"pillar-csi", "pillar-agent"}
 # What the downward API would give, typed as the real values are.
@@ -113,6 +121,23 @@ def check_object(obj, origin, schemas, problems):
             problems.append(f"{name}: Kubernetes {version}: no schema: {e}")
 
 
+def check_images(obj, origin, problems):
+    """Every image is fully qualified (a registry host, never the default registry's library
+    namespace) and pinned by tag or digest."""
+    pod = obj.get("spec", {}).get("template", {}).get("spec")
+    if not pod:
+        return
+    for c in pod.get("containers", []) + pod.get("initContainers", []):
+        image = c.get("image", "")
+        first = image.split("/")[0]
+        qualified = "/" in image and ("." in first or ":" in first or first == "localhost")
+        pinned = "@" in image or ":" in image.rsplit("/", 1)[-1]
+        if not (qualified and pinned):
+            problems.append(f"{origin}: {obj['kind']}/{obj['metadata']['name']} container "
+                            f"{c.get('name')}: image {image!r} is not a registry-qualified, "
+                            "tagged name")
+
+
 def expand(value, env):
     # kubelet: $(VAR) becomes VAR's value when VAR is defined; $$ escapes.
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
@@ -167,6 +192,7 @@ def main():
         rendered.append(f"{rel} ({len(docs)} objects)")
         for obj in docs:
             check_object(obj, str(rel), schemas, problems)
+            check_images(obj, str(rel), problems)
             containers += pillar_containers(obj, str(rel))
     for example in sorted((DEPLOY / "examples").glob("*.yaml")):
         rel = example.relative_to(ROOT)

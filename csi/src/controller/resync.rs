@@ -311,8 +311,19 @@ impl Controller {
             Ok(rev) => self.store.replace_agent_status(&name, &rev, next).await,
             Err(e) => Err(e),
         };
-        if let Err(e) = written {
-            tracing::debug!(agent = %name, error = %e, "agent status not written this round");
+        match written {
+            Ok(_) => {}
+            // Another replica wrote it since this round read it: the next round writes again.
+            Err(e) if e.is_conflict() => {
+                tracing::debug!(agent = %name, error = %e, "agent status not written this round");
+            }
+            // Refused (RBAC, validation) or unreachable: operators read this status, so say why
+            // it stays stale.
+            Err(e) => tracing::warn!(
+                agent = %name,
+                error = %pillar_state::error_chain(&e),
+                "agent status not written"
+            ),
         }
     }
 

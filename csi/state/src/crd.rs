@@ -513,8 +513,40 @@ pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
         PillarAgent::crd(),
         PillarProtocol::crd(),
     ] {
+        let mut value =
+            serde_json::to_value(&crd).map_err(<serde_yaml::Error as serde::ser::Error>::custom)?;
+        kubernetes_formats(&mut value);
         out.push_str("---\n");
-        out.push_str(&serde_yaml::to_string(&crd)?);
+        out.push_str(&serde_yaml::to_string(&value)?);
     }
     Ok(out)
+}
+
+/// Rewrites the integer formats schemars derives from Rust's unsigned types (`uint64`,
+/// `uint32`, `uint16`, `uint8`), which the API server does not know and warns about, into the
+/// OpenAPI formats it does (`int64`, and `int32` for 16 and 8 bits), with the bounds the unsigned
+/// type had: the server then refuses what the Rust type could not hold (a negative generation is
+/// 422).
+fn kubernetes_formats(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            let bounds = match map.get("format").and_then(serde_json::Value::as_str) {
+                Some("uint64") => Some(("int64", None)),
+                Some("uint32") => Some(("int64", Some(u64::from(u32::MAX)))),
+                Some("uint16") => Some(("int32", Some(u64::from(u16::MAX)))),
+                Some("uint8") => Some(("int32", Some(u64::from(u8::MAX)))),
+                _ => None,
+            };
+            if let Some((format, maximum)) = bounds {
+                map.insert("format".into(), format.into());
+                map.insert("minimum".into(), 0.into());
+                if let Some(max) = maximum {
+                    map.insert("maximum".into(), max.into());
+                }
+            }
+            map.values_mut().for_each(kubernetes_formats);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(kubernetes_formats),
+        _ => {}
+    }
 }

@@ -135,6 +135,9 @@ pub struct Env {
     pub dir: tempfile::TempDir,
     pub agent: AgentUnderTest,
     pub store: Arc<dyn StateStore>,
+    /// The store the controllers use: on the Kubernetes double, authenticated as pillar's
+    /// controller ServiceAccount (RBAC of deploy/base/rbac.yaml); otherwise `store`.
+    pub controller_store: Arc<dyn StateStore>,
     /// The controller's store: `store` behind a wrapper that can make writes conflict.
     pub faults: Arc<FaultyStore>,
     pub controller: Arc<Controller>,
@@ -151,15 +154,25 @@ impl Env {
     pub async fn start(kind: StoreKind, acl: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let agent = AgentUnderTest::start(dir.path()).await;
-        let (store, double, embedded): (Arc<dyn StateStore>, _, _) = match kind {
+        // `store` is the operator's view (it creates the PillarAgent and PillarProtocol); the
+        // controller's own store, on the Kubernetes double, runs as pillar's controller
+        // ServiceAccount, so every request it makes is held to deploy/base/rbac.yaml.
+        let (store, controller_store, double, embedded): (
+            Arc<dyn StateStore>,
+            Arc<dyn StateStore>,
+            _,
+            _,
+        ) = match kind {
             StoreKind::Embedded => {
                 let embedded = EmbeddedStore::open(dir.path().join("store")).await.unwrap();
-                (Arc::new(embedded.clone()), None, Some(embedded))
+                let store: Arc<dyn StateStore> = Arc::new(embedded.clone());
+                (Arc::clone(&store), store, None, Some(embedded))
             }
             StoreKind::Kube => {
                 let double = ApiServerDouble::start().await.unwrap();
                 (
                     Arc::new(KubeStore::new(double.client().unwrap())),
+                    Arc::new(KubeStore::new(double.controller_client().unwrap())),
                     Some(double),
                     None,
                 )
@@ -194,7 +207,7 @@ impl Env {
             )
             .await
             .unwrap();
-        let faults = FaultyStore::new(Arc::clone(&store));
+        let faults = FaultyStore::new(Arc::clone(&controller_store));
         let controller = Controller::new(
             Arc::clone(&faults) as Arc<dyn StateStore>,
             Agents::new(None, true, Duration::from_secs(10)),
@@ -222,6 +235,7 @@ impl Env {
             dir,
             agent,
             store,
+            controller_store,
             faults,
             controller,
             client,
@@ -257,7 +271,7 @@ impl Env {
     /// Another controller replica over the same store, through its own wrapper, so a test can
     /// stall or fail its writes alone.
     pub fn replica(&self) -> (Arc<Controller>, Arc<FaultyStore>) {
-        let faults = FaultyStore::new(Arc::clone(&self.store));
+        let faults = FaultyStore::new(Arc::clone(&self.controller_store));
         let controller = Controller::new(
             Arc::clone(&faults) as Arc<dyn StateStore>,
             Agents::new(None, true, Duration::from_secs(10)),
@@ -268,7 +282,7 @@ impl Env {
     /// A second controller (another replica, or the next leader) over the same store.
     pub fn second_controller(&self) -> Arc<Controller> {
         Controller::new(
-            Arc::clone(&self.store),
+            Arc::clone(&self.controller_store),
             Agents::new(None, true, Duration::from_secs(10)),
         )
     }

@@ -49,7 +49,8 @@ async fn the_embedded_store_keeps_events_in_order_with_bounded_notes() {
 #[tokio::test]
 async fn the_kube_store_creates_an_events_k8s_io_event_about_the_volume() {
     let double = ApiServerDouble::start().await.unwrap();
-    let store = KubeStore::new(double.client().unwrap()).with_reporting_instance("controller-0");
+    let store =
+        KubeStore::new(double.controller_client().unwrap()).with_reporting_instance("controller-0");
     store.record_volume_event(&event("vol-a")).await.unwrap();
     let events = double.events();
     assert_eq!(events.len(), 1);
@@ -146,7 +147,7 @@ async fn the_double_validates_events_like_the_api_server() {
 #[tokio::test]
 async fn a_refused_event_is_an_error_for_the_caller_to_log() {
     let double = ApiServerDouble::start().await.unwrap();
-    let store = KubeStore::new(double.client().unwrap());
+    let store = KubeStore::new(double.controller_client().unwrap());
     double.inject_failure(InjectedFailure {
         method: http::Method::POST,
         path_suffix: "/events".into(),

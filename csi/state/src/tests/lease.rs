@@ -42,7 +42,7 @@ struct Replica {
 impl Replica {
     fn start(double: &ApiServerDouble, identity: &str) -> Self {
         let (elector, leadership) =
-            Elector::new(double.client().unwrap(), settings(identity)).unwrap();
+            Elector::new(double.controller_client().unwrap(), settings(identity)).unwrap();
         let (tx, rx) = oneshot::channel();
         let elector = tokio::spawn(elector.run(async {
             let _ = rx.await;
@@ -208,7 +208,7 @@ async fn inconsistent_settings_are_refused() {
         ..settings("x")
     };
     assert!(matches!(
-        Elector::new(double.client().unwrap(), bad),
+        Elector::new(double.controller_client().unwrap(), bad),
         Err(LeaseError::Settings(_))
     ));
     let bad = LeaseSettings {
@@ -216,7 +216,7 @@ async fn inconsistent_settings_are_refused() {
         ..settings("x")
     };
     assert!(matches!(
-        Elector::new(double.client().unwrap(), bad),
+        Elector::new(double.controller_client().unwrap(), bad),
         Err(LeaseError::Settings(_))
     ));
     assert!(Leadership::sole().is_leader());

@@ -8,4 +8,5 @@ mod embedded;
 mod events;
 mod lease;
 mod race;
+mod rbac;
 mod shapes;

@@ -1,8 +1,8 @@
-//! A Kubernetes API server test double for pillar's three cluster-scoped custom resources.
+//! A Kubernetes API server test double for pillar's four cluster-scoped custom resources.
 //!
 //! A real HTTP/1.1 server (hyper) on `127.0.0.1:0` implementing the REST subset kube-rs uses:
 //! GET one, LIST, POST, PUT, PUT `/status`, DELETE, under
-//! `/apis/pillar-csi.io/v1alpha1/{pillarvolumestates,pillaragents,pillarprotocols}`. Point a
+//! `/apis/pillar-csi.io/v1alpha1/{pillarvolumestates,pillarsnapshotstates,pillaragents,pillarprotocols}`. Point a
 //! [`kube::Client`] at it with [`ApiServerDouble::client`].
 //!
 //! It follows the real API server's rules for custom resources, read from the Kubernetes source
@@ -46,6 +46,14 @@
 //!   404 for an update of a missing Lease, 422 for a non-positive `leaseDurationSeconds`.
 //!   [`ApiServerDouble::lease`] reads one back.
 //!
+//! - Authentication and RBAC: every request carries a bearer token the double issued, for its
+//!   administrator ([`ApiServerDouble::client`], allowed everything, as `system:masters` is) or for
+//!   a ServiceAccount ([`ApiServerDouble::client_as`]); a request without a known token is 401.
+//!   A ServiceAccount's request is authorised against the RBAC objects of pillar's
+//!   `deploy/base/rbac.yaml` ([`rbac`]), and refused with the API server's 403 `Forbidden`.
+//! - Transient 429s: [`ApiServerDouble::answer_too_many_requests`] makes the next requests fail
+//!   as a real server does while its storage initialises (429 `TooManyRequests`, `Retry-After`).
+//!
 //! Errors are real `Status` objects (kind `Status`, apiVersion `v1`, status `Failure`, reason,
 //! code), which kube-rs turns into [`kube::Error::Api`]. Every request is recorded (method, path,
 //! query, JSON body) for request-shape assertions, and a failure can be injected for the next
@@ -69,6 +77,15 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::crd::{API_VERSION, GROUP, VERSION};
+
+pub mod rbac;
+mod schema;
+
+use rbac::{RbacPolicy, RequestAttributes, ServiceAccount};
+use schema::CrdSchemas;
+
+/// The token of the double's administrator, allowed everything (as `system:masters` is).
+const ADMIN_TOKEN: &str = "pillar-double-admin";
 
 /// The HTTP method type of [`InjectedFailure::method`], for crates without an `http` dependency.
 pub use hyper::Method as HttpMethod;
@@ -95,6 +112,16 @@ pub enum DoubleError {
     /// Building the kube client failed.
     #[error("build a kube client for the double")]
     Client(#[source] kube::Error),
+    /// The RBAC policy could not be read.
+    #[error("read the RBAC policy")]
+    Policy(#[source] rbac::PolicyError),
+}
+
+/// Who a token belongs to.
+#[derive(Clone, Debug)]
+enum Identity {
+    Admin,
+    ServiceAccount(ServiceAccount),
 }
 
 /// One request the double received.
@@ -166,6 +193,14 @@ struct State {
     events: Vec<Value>,
     /// `coordination.k8s.io/v1` Leases by (namespace, name).
     leases: BTreeMap<(String, String), Value>,
+    /// Bearer token -> identity.
+    tokens: BTreeMap<String, Identity>,
+    /// What ServiceAccounts may do.
+    policy: RbacPolicy,
+    /// How many of the next requests are answered 429.
+    too_many_requests: u32,
+    /// The CRDs' structural schemas.
+    schemas: CrdSchemas,
 }
 
 impl State {
@@ -198,14 +233,32 @@ impl Drop for ApiServerDouble {
     }
 }
 
+/// The kustomize base pillar ships, whose `rbac.yaml` the double enforces.
+pub fn deploy_base() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/base")
+}
+
 impl ApiServerDouble {
-    /// Starts the double on `127.0.0.1:0`.
+    /// Starts the double on `127.0.0.1:0`, enforcing the RBAC of pillar's `deploy/base`.
     pub async fn start() -> Result<Self, DoubleError> {
+        let policy =
+            RbacPolicy::from_kustomize_base(&deploy_base()).map_err(DoubleError::Policy)?;
+        Self::start_with_policy(policy).await
+    }
+
+    /// Starts the double enforcing `policy` for ServiceAccounts.
+    pub async fn start_with_policy(policy: RbacPolicy) -> Result<Self, DoubleError> {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(DoubleError::Bind)?;
         let addr = listener.local_addr().map_err(DoubleError::LocalAddr)?;
-        let state = Arc::new(Mutex::new(State::default()));
+        let mut state = State {
+            policy,
+            schemas: CrdSchemas::shipped(),
+            ..State::default()
+        };
+        state.tokens.insert(ADMIN_TOKEN.to_owned(), Identity::Admin);
+        let state = Arc::new(Mutex::new(state));
         let task = tokio::spawn(serve(listener, Arc::clone(&state)));
         Ok(Self { addr, state, task })
     }
@@ -215,13 +268,41 @@ impl ApiServerDouble {
         format!("http://{}", self.addr)
     }
 
-    /// A kube client for the double (no authentication).
+    /// A kube client of the double's administrator, allowed everything: for fixtures (the
+    /// PillarAgents and PillarProtocols an operator creates) and the stores' own tests.
     pub fn client(&self) -> Result<kube::Client, DoubleError> {
+        self.client_with_token(ADMIN_TOKEN)
+    }
+
+    /// A kube client authenticated as `account`, whose every request the double authorises
+    /// against the RBAC policy.
+    pub fn client_as(&self, account: &ServiceAccount) -> Result<kube::Client, DoubleError> {
+        let token = format!("serviceaccount-{}-{}", account.namespace, account.name);
+        self.state()
+            .tokens
+            .insert(token.clone(), Identity::ServiceAccount(account.clone()));
+        self.client_with_token(&token)
+    }
+
+    /// A kube client authenticated as pillar's controller ServiceAccount.
+    pub fn controller_client(&self) -> Result<kube::Client, DoubleError> {
+        self.client_as(&ServiceAccount::pillar_controller())
+    }
+
+    fn client_with_token(&self, token: &str) -> Result<kube::Client, DoubleError> {
         let url = self.url();
         let uri = url
             .parse::<http::Uri>()
             .map_err(|source| DoubleError::Url { url, source })?;
-        kube::Client::try_from(kube::Config::new(uri)).map_err(DoubleError::Client)
+        let mut config = kube::Config::new(uri);
+        config.auth_info.token = Some(token.to_owned().into());
+        kube::Client::try_from(config).map_err(DoubleError::Client)
+    }
+
+    /// Answers the next `n` requests 429 `TooManyRequests` with `Retry-After: 1`, as a real API
+    /// server does while its storage initialises or its priority-and-fairness queues are full.
+    pub fn answer_too_many_requests(&self, n: u32) {
+        self.state().too_many_requests = n;
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -311,6 +392,12 @@ async fn handle(
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let query = req.uri().query().map(str::to_owned);
+    let token = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_owned);
     let (code, body) = match req.into_body().collect().await {
         Ok(collected) => {
             let bytes = collected.to_bytes();
@@ -323,19 +410,23 @@ async fn handle(
             st.log.push(RecordedRequest {
                 method: method.to_string(),
                 path: path.clone(),
-                query,
+                query: query.clone(),
                 body: body.clone(),
             });
-            let injected = st
-                .failures
-                .iter()
-                .position(|f| f.method == method && path.ends_with(&f.path_suffix));
-            match injected {
-                Some(i) => {
-                    let f = st.failures.remove(i);
-                    failure_status(f.code, &f.reason, &f.message, json!({}))
-                }
-                None => route(&mut st, &method, &path, body),
+            if let Some(refused) =
+                authorize(&st, token.as_deref(), &method, &path, query.as_deref())
+            {
+                refused
+            } else if st.too_many_requests > 0 {
+                st.too_many_requests -= 1;
+                failure_status(
+                    429,
+                    "TooManyRequests",
+                    "storage is (re)initializing",
+                    json!({ "retryAfterSeconds": 1 }),
+                )
+            } else {
+                answer(&mut st, &method, &path, body)
             }
         }
         Err(e) => bad_request(&format!("reading the body failed: {e}")),
@@ -347,7 +438,66 @@ async fn handle(
         hyper::header::CONTENT_TYPE,
         hyper::header::HeaderValue::from_static("application/json"),
     );
+    if code == StatusCode::TOO_MANY_REQUESTS {
+        resp.headers_mut().insert(
+            hyper::header::RETRY_AFTER,
+            hyper::header::HeaderValue::from_static("1"),
+        );
+    }
     Ok(resp)
+}
+
+/// Authentication, then RBAC: `Some` with the 401 or 403 answer when the request may not go on.
+fn authorize(
+    st: &State,
+    token: Option<&str>,
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+) -> Option<Answer> {
+    let Some(identity) = token.and_then(|t| st.tokens.get(t)) else {
+        return Some(failure_status(
+            401,
+            "Unauthorized",
+            "Unauthorized",
+            json!({}),
+        ));
+    };
+    let Identity::ServiceAccount(account) = identity else {
+        return None;
+    };
+    let attrs = RequestAttributes::from_request(method.as_str(), path, query)?;
+    if st.policy.allows(account, &attrs) {
+        return None;
+    }
+    let mut details = json!({ "kind": attrs.resource });
+    if let Some(name) = &attrs.name {
+        details["name"] = json!(name);
+    }
+    if !attrs.group.is_empty() {
+        details["group"] = json!(attrs.group);
+    }
+    Some(failure_status(
+        403,
+        "Forbidden",
+        &attrs.forbidden_message(&account.user_name()),
+        details,
+    ))
+}
+
+/// An authorised request: an injected failure, or the route's answer.
+fn answer(st: &mut State, method: &Method, path: &str, body: Option<Value>) -> Answer {
+    let injected = st
+        .failures
+        .iter()
+        .position(|f| f.method == method && path.ends_with(&f.path_suffix));
+    match injected {
+        Some(i) => {
+            let f = st.failures.remove(i);
+            failure_status(f.code, &f.reason, &f.message, json!({}))
+        }
+        None => route(st, method, path, body),
+    }
 }
 
 fn route(st: &mut State, method: &Method, path: &str, body: Option<Value>) -> Answer {
@@ -474,6 +624,9 @@ fn create(st: &mut State, info: KindInfo, body: Option<Value>) -> Answer {
     }
     if info.has_status {
         obj.remove("status");
+    }
+    if let Err(errors) = st.schemas.admit(info.plural, &mut obj) {
+        return invalid_fields(info, &name, &errors);
     }
     let rv = st.next_rv();
     with_metadata(&mut obj, |meta| {
@@ -604,6 +757,9 @@ fn update(st: &mut State, info: KindInfo, name: &str, body: Option<Value>, statu
         }
         next
     };
+    if let Err(errors) = st.schemas.admit(info.plural, &mut next) {
+        return invalid_fields(info, name, &errors);
+    }
     meta_insert(&mut next, "resourceVersion", json!(current_rv));
     if next == current {
         // No change: etcd is not written and the resourceVersion stays.
@@ -1076,6 +1232,34 @@ fn invalid(info: KindInfo, name: &str, field: &str, detail: &str) -> Answer {
         );
     }
     (code, body)
+}
+
+/// 422 for the schema's field errors, each a cause, as the API server answers them.
+fn invalid_fields(info: KindInfo, name: &str, errors: &[(String, String)]) -> Answer {
+    let list: Vec<String> = errors.iter().map(|(f, d)| format!("{f}: {d}")).collect();
+    let joined = match list.as_slice() {
+        [one] => one.clone(),
+        many => format!("[{}]", many.join(", ")),
+    };
+    let causes: Vec<Value> = errors
+        .iter()
+        .map(|(f, d)| {
+            let reason = if d.starts_with("Required value") {
+                "FieldValueRequired"
+            } else if d.starts_with("Unsupported value") {
+                "FieldValueNotSupported"
+            } else {
+                "FieldValueInvalid"
+            };
+            json!({ "reason": reason, "message": d, "field": f })
+        })
+        .collect();
+    failure_status(
+        422,
+        "Invalid",
+        &format!("{}.{GROUP} \"{name}\" is invalid: {joined}", info.kind),
+        json!({ "name": name, "group": GROUP, "kind": info.kind, "causes": causes }),
+    )
 }
 
 fn bad_request(message: &str) -> Answer {
