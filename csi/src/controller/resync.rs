@@ -19,6 +19,7 @@ use pillar_state::store::Revision;
 use super::Controller;
 use super::agent::export_request;
 use super::error::{ControllerError, agent_err, describe};
+use super::record::not_deleting;
 
 /// What one round saw of an agent, for its status.
 struct Seen {
@@ -160,16 +161,27 @@ impl Controller {
     }
 
     /// The export request of one volume for a resync, with a fresh token; `None` when its
-    /// lifecycle ended meanwhile.
+    /// lifecycle ended meanwhile or another replica marked it deleting.
+    ///
+    /// The volume was listed before the token is taken, so "not being deleted" is checked
+    /// again inside the compare-and-swap that takes the token (W5, W8): a DeleteVolume that
+    /// marked it deleting and unexported it in between must not find it exported again. A
+    /// deleting mark written after the token bumped the generation past it, so the agent
+    /// refuses this export; it is left out all the same.
     async fn resync_request(
         &self,
         v: &PillarVolumeState,
     ) -> Result<Option<agent_api::ExportRequest>, ControllerError> {
         let uid = v.metadata.uid.clone().unwrap_or_default();
         let protocol = self.protocol_of(v).await?;
-        let t = match self.next_token(&v.spec.volume_id, &uid).await {
+        let t = match self
+            .next_token_if(&v.spec.volume_id, &uid, &not_deleting)
+            .await
+        {
             Ok(t) => t,
-            Err(ControllerError::LifecycleGone { .. }) => return Ok(None),
+            Err(ControllerError::LifecycleGone { .. } | ControllerError::Deleting { .. }) => {
+                return Ok(None);
+            }
             Err(e) => return Err(e),
         };
         // The ACL read after the token was taken is the one the token vouches for.
@@ -178,6 +190,7 @@ impl Controller {
             .get_volume(&v.spec.volume_id)
             .await?
             .filter(|c| c.metadata.uid.as_deref() == Some(uid.as_str()))
+            .filter(|c| !c.status_or_default().deleting)
         else {
             return Ok(None);
         };
@@ -209,7 +222,7 @@ impl Controller {
             match result {
                 Ok(true) => tracing::info!(agent = %name, %volume, "export restored"),
                 Ok(false) => {
-                    tracing::warn!(agent = %name, %volume, "the agent could not restore an export the controller has no live record of; left to an operator")
+                    tracing::warn!(agent = %name, %volume, "the agent could not restore an export the controller has no live record of, or whose volume is being deleted; left to an operator or to the DeleteVolume")
                 }
                 Err(e) => {
                     tracing::warn!(agent = %name, %volume, error = %describe(&e), "restoring an export failed; retried on the next round")
