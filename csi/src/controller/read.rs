@@ -89,17 +89,10 @@ impl Controller {
         &self,
         req: csi::ListVolumesRequest,
     ) -> Result<csi::ListVolumesResponse, ControllerError> {
-        let (start, max) = request::list(&req)?;
-        let volumes = self.store.list_volumes().await?;
-        if start > volumes.len() {
-            return Err(ControllerError::BadStartingToken(req.starting_token));
-        }
-        let end = if max == 0 {
-            volumes.len()
-        } else {
-            start.saturating_add(max).min(volumes.len())
-        };
-        let entries = volumes[start..end]
+        let page = request::list(&req)?;
+        let mut volumes = self.store.list_volumes().await?;
+        let (volumes, next_token) = request::paged(&mut volumes, |v| &v.spec.volume_id, &page);
+        let entries = volumes
             .iter()
             .map(|v| csi::list_volumes_response::Entry {
                 volume: Some(csi_volume(v)),
@@ -111,11 +104,7 @@ impl Controller {
             .collect();
         Ok(csi::ListVolumesResponse {
             entries,
-            next_token: if end < volumes.len() {
-                end.to_string()
-            } else {
-                String::new()
-            },
+            next_token,
         })
     }
 

@@ -310,8 +310,8 @@ impl Controller {
         &self,
         req: csi::ListSnapshotsRequest,
     ) -> Result<csi::ListSnapshotsResponse, ControllerError> {
-        let (start, max) = request::list_snapshots(&req)?;
-        let all: Vec<PillarSnapshotState> = self
+        let page = request::list_snapshots(&req)?;
+        let mut all: Vec<PillarSnapshotState> = self
             .store
             .list_snapshots()
             .await?
@@ -322,26 +322,15 @@ impl Controller {
                 req.source_volume_id.is_empty() || s.spec.source_volume_id == req.source_volume_id
             })
             .collect();
-        if start > all.len() {
-            return Err(ControllerError::BadStartingToken(req.starting_token));
-        }
-        let end = if max == 0 {
-            all.len()
-        } else {
-            start.saturating_add(max).min(all.len())
-        };
+        let (entries, next_token) = request::paged(&mut all, |s| &s.spec.snapshot_id, &page);
         Ok(csi::ListSnapshotsResponse {
-            entries: all[start..end]
+            entries: entries
                 .iter()
                 .map(|s| csi::list_snapshots_response::Entry {
                     snapshot: Some(csi_snapshot(s)),
                 })
                 .collect(),
-            next_token: if end < all.len() {
-                end.to_string()
-            } else {
-                String::new()
-            },
+            next_token,
         })
     }
 
