@@ -17,7 +17,8 @@ use pillar_state::lease::{Leadership, every_round_while_leader};
 use pillar_state::store::Revision;
 
 use super::Controller;
-use super::agent::export_request;
+use super::agent::{export_request, pv_of};
+use super::condition::enforced_acl;
 use super::error::{ControllerError, agent_err, describe};
 use super::record::not_deleting;
 
@@ -87,6 +88,15 @@ impl Seen {
     }
 }
 
+/// A volume whose `AclDisabled` follows an export being sent with the protocol's `acl`.
+struct AclChange {
+    volume: String,
+    uid: String,
+    pv: Option<String>,
+    protocol: String,
+    acl: bool,
+}
+
 /// How often the resync loop counts the volumes with a revoke pending.
 const REVOKING_COUNT_EVERY: Duration = Duration::from_secs(60);
 
@@ -132,10 +142,14 @@ impl Controller {
             .collect()
             .await;
         let mut exports = Vec::with_capacity(requests.len());
+        let mut acl_changes = Vec::new();
         for (v, request) in requests {
             // One bad record is that volume's failure alone: reported, and the rest goes on.
             match request {
-                Ok(Some(request)) => exports.push(request),
+                Ok(Some((request, change))) => {
+                    exports.push(request);
+                    acl_changes.extend(change);
+                }
                 Ok(None) => {}
                 Err(e) => {
                     tracing::warn!(agent = %name, volume = %v.spec.volume_id, error = %describe(&e), "volume left out of the resync");
@@ -157,7 +171,35 @@ impl Controller {
         for v in &response.unlisted_volume_ids {
             tracing::warn!(agent = %name, volume = %v, "the storage node exports a volume the controller has no record of; left in place");
         }
+        for change in acl_changes {
+            let restored = response
+                .results
+                .iter()
+                .any(|r| r.ok && r.volume_id == change.volume);
+            if restored {
+                self.record_acl_change(change).await;
+            }
+        }
         Ok(response)
+    }
+
+    /// Records in `AclDisabled` the mode an export the agent confirmed gave a volume's target
+    /// (the protocol's `acl` changed since the condition was written). Best-effort: a failed
+    /// write leaves the condition saying the old mode, and the next publication exports again.
+    async fn record_acl_change(&self, change: AclChange) {
+        let AclChange {
+            volume,
+            uid,
+            pv,
+            protocol,
+            acl,
+        } = change;
+        if let Err(e) = self
+            .record_enforced_acl(&volume, &uid, pv, &protocol, acl)
+            .await
+        {
+            tracing::warn!(%volume, error = %describe(&e), "AclDisabled not updated after the export");
+        }
     }
 
     /// The export request of one volume for a resync, with a fresh token; `None` when its
@@ -171,7 +213,7 @@ impl Controller {
     async fn resync_request(
         &self,
         v: &PillarVolumeState,
-    ) -> Result<Option<agent_api::ExportRequest>, ControllerError> {
+    ) -> Result<Option<(agent_api::ExportRequest, Option<AclChange>)>, ControllerError> {
         let uid = v.metadata.uid.clone().unwrap_or_default();
         let protocol = self.protocol_of(v).await?;
         let t = match self
@@ -194,7 +236,19 @@ impl Controller {
         else {
             return Ok(None);
         };
-        Ok(Some(export_request(&current, &protocol, t)))
+        let acl = protocol.spec.nvme_tcp.acl;
+        let status = current.status_or_default();
+        // W6: a published volume whose target was last confirmed in another mode gets its
+        // condition written once the agent confirmed this export.
+        let change = (!status.published_nodes.is_empty() && enforced_acl(&status) != Some(acl))
+            .then(|| AclChange {
+                volume: v.spec.volume_id.clone(),
+                uid: uid.clone(),
+                pv: pv_of(&current),
+                protocol: v.spec.protocol.clone(),
+                acl,
+            });
+        Ok(Some((export_request(&current, &protocol, t), change)))
     }
 
     /// Exports again, one by one, the volumes a serving agent reports it could not restore.
@@ -208,7 +262,7 @@ impl Controller {
                 if v.status_or_default().deleting || v.spec.agent != name {
                     return Ok(false);
                 }
-                let Some(request) = self.resync_request(&v).await? else {
+                let Some((request, change)) = self.resync_request(&v).await? else {
                     return Ok(false);
                 };
                 let mut client = self.agents.client(agent).await?;
@@ -216,6 +270,9 @@ impl Controller {
                     .export(request)
                     .await
                     .map_err(agent_err("Export", volume))?;
+                if let Some(change) = change {
+                    self.record_acl_change(change).await;
+                }
                 Ok::<_, ControllerError>(true)
             }
             .await;
