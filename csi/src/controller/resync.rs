@@ -391,6 +391,10 @@ impl Controller {
     async fn count_revoking(&self) {
         {
             let mut last = self.revoking_counted.lock().await;
+            // A scrape while this replica did not lead zeroed the gauge: count again now.
+            if self.metrics.take_leader_gauges_reset() {
+                *last = None;
+            }
             if last.is_some_and(|t| t.elapsed() < REVOKING_COUNT_EVERY) {
                 return;
             }
