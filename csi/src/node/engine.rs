@@ -248,6 +248,12 @@ impl Engine {
             } else {
                 self.format(&device, fs_type, ctx)?;
             }
+            // A clone or restore staged next to its source carries the source's UUID.
+            if let Some(option) = fs_type.duplicate_uuid_option()
+                && !flags.iter().any(|f| f == option)
+            {
+                flags.push(option.to_owned());
+            }
             record.phase = StagePhase::Formatted;
             self.write_record(&record)?;
             self.mount_staging(&device, staging, fs_type, read_only, &flags)?;
