@@ -497,3 +497,49 @@ async fn a_refused_snapshot_leaves_no_record_behind() {
         assert_eq!(listed(&env).await, ["s-old", "s-stuck"], "{kind:?}");
     }
 }
+
+// Issue 22 (also noticed): a refused DeleteSnapshot (here: its PillarAgent is gone, C1) is a
+// Refused event about the snapshot's source volume naming the snapshot, never about a volume
+// that happens to share the snapshot's ID. On the old code the event looked up a *volume*
+// named after the snapshot ID and was recorded on the unrelated volume "twin".
+#[tokio::test]
+async fn a_refused_snapshot_call_is_an_event_on_its_source_volume() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        for v in ["src", "twin"] {
+            env.client
+                .create_volume(create(v, Mode::SingleNodeWriter))
+                .await
+                .unwrap();
+        }
+        env.client
+            .create_snapshot(snapshot("twin", "src"))
+            .await
+            .unwrap();
+        let agent = env.store.list_agents().await.unwrap().remove(0);
+        let name = agent.metadata.name.clone().unwrap();
+        env.store
+            .delete_agent(&name, &Revision::of(&agent).unwrap())
+            .await
+            .unwrap();
+        let s = env
+            .client
+            .delete_snapshot(csi::DeleteSnapshotRequest {
+                snapshot_id: "twin".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), Code::FailedPrecondition, "{kind:?}: {s:?}");
+        assert!(
+            env.events("twin").is_empty(),
+            "{kind:?}: an event on the unrelated volume: {:?}",
+            env.events("twin")
+        );
+        assert_eq!(
+            env.events("src"),
+            [("Warning".to_owned(), "Refused".to_owned())],
+            "{kind:?}"
+        );
+    }
+}

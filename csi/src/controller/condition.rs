@@ -287,6 +287,38 @@ impl Controller {
         Ok(())
     }
 
+    /// The Warning event for a CSI call on snapshot `snapshot` refused by a rule: about the
+    /// snapshot's source volume (the lifecycle the snapshot was cut from), naming the snapshot.
+    /// Nothing when the snapshot or that lifecycle of its source is gone: a snapshot ID never
+    /// names a volume, even one whose ID is the same string.
+    pub(super) async fn warn_snapshot_refused(
+        &self,
+        method: &'static str,
+        snapshot: &str,
+        message: &str,
+    ) {
+        let Ok(Some(s)) = self.store.get_snapshot(snapshot).await else {
+            return;
+        };
+        let source = &s.spec.source_volume_id;
+        let Ok(Some(volume)) = self.store.get_volume(source).await else {
+            return;
+        };
+        if volume.metadata.uid.as_deref() != Some(s.spec.source_uid.as_str()) {
+            return;
+        }
+        self.record_event(VolumeEvent {
+            volume: source.clone(),
+            uid: s.spec.source_uid.clone(),
+            pv: super::agent::pv_of(&volume),
+            type_: EventType::Warning,
+            reason: EVENT_REFUSED.to_owned(),
+            action: method.to_owned(),
+            note: format!("snapshot {snapshot}: {message}"),
+        })
+        .await;
+    }
+
     /// The Warning event for `AclDisabled` turning True on `volume` (lifecycle `uid`).
     pub(super) async fn warn_acl_disabled(
         &self,
