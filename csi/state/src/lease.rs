@@ -152,6 +152,12 @@ impl Elector {
         client: kube::Client,
         settings: LeaseSettings,
     ) -> Result<(Self, Leadership), LeaseError> {
+        if settings.identity.is_empty() {
+            // Every replica without a name would read an empty holder as its own Lease.
+            return Err(LeaseError::Settings(
+                "the identity (the Lease's holderIdentity) must not be empty",
+            ));
+        }
         if settings.renew_deadline >= settings.lease_duration {
             return Err(LeaseError::Settings(
                 "renew_deadline must be shorter than lease_duration",

@@ -222,6 +222,12 @@ async fn inconsistent_settings_are_refused() {
         Elector::new(double.client().unwrap(), bad),
         Err(LeaseError::Settings(_))
     ));
+    // Issue 22 (also noticed): an empty identity would make every replica without one read an
+    // empty holder as its own Lease (client-go refuses it too).
+    assert!(matches!(
+        Elector::new(double.client().unwrap(), settings("")),
+        Err(LeaseError::Settings(_))
+    ));
     assert!(Leadership::sole().is_leader());
 }
 
