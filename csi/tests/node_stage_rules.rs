@@ -83,3 +83,43 @@ async fn copies_of_one_xfs_stage_next_to_their_source() {
     h.unstage("pvc-clone", &clone_staging).await.unwrap();
     h.unstage("pvc-src", &staging).await.unwrap();
 }
+
+// Issue 22 (also noticed): a read-only stage that finds the device already mounted at its
+// staging path (a stage that crashed after its mount, before its record said so) accepts the
+// mount only if it is read-only; a read-write mount of the device is refused (ALREADY_EXISTS),
+// never reported as a read-only stage (N5). On the old code any mount of the device was
+// accepted and the read-only stage answered OK over a read-write mount.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_read_only_stage_never_accepts_a_read_write_mount() {
+    let lo = LoopDevice::new(SIZE);
+    let st = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&lo.dev)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let h = Harness::local().await;
+    let vol = "pvc-ro-over-rw";
+    let (staging, _g) = h.path("staging");
+    fs::create_dir_all(&staging).unwrap();
+    let st = std::process::Command::new("mount")
+        .arg(&lo.dev)
+        .arg(&staging)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let (_, options) = mount_at(&staging).unwrap();
+    assert!(options.split(',').any(|o| o == "rw"), "{options}");
+    let mut ro = local_ctx(vol, &lo.dev);
+    ro.insert(context::READ_ONLY.into(), "true".into());
+    node_support::assert_code(
+        h.stage(vol, &staging, mount_cap("ext4"), ro).await,
+        tonic::Code::AlreadyExists,
+    );
+    // A read-write stage of the same takes the mount it finds.
+    h.stage(vol, &staging, mount_cap("ext4"), local_ctx(vol, &lo.dev))
+        .await
+        .unwrap();
+    h.unstage(vol, &staging).await.unwrap();
+    assert!(mount_at(&staging).is_none());
+}

@@ -160,7 +160,7 @@ impl Engine {
                         && let Some(m) = check_mount(staging)?
                         && m.fs_type == fs_type.as_str()
                     {
-                        if m.is_readonly() != read_only {
+                        if !access_matches(&m, read_only) {
                             return Err(NodeError::StagedIncompatibly {
                                 volume: volume.to_string(),
                                 staged: access(m.is_readonly()).into(),
@@ -256,7 +256,7 @@ impl Engine {
             }
             record.phase = StagePhase::Formatted;
             self.write_record(&record)?;
-            self.mount_staging(&device, staging, fs_type, read_only, &flags)?;
+            self.mount_staging(volume, &device, staging, fs_type, read_only, &flags)?;
         }
         // For a block volume nothing is mounted at the staging path: `Mounted` means "staged".
         record.phase = StagePhase::Mounted;
@@ -321,6 +321,7 @@ impl Engine {
     /// device's (a crash after mounting, before the record said so).
     fn mount_staging(
         &self,
+        volume: &VolumeId,
         device: &Device,
         staging: &Path,
         fs_type: FsType,
@@ -335,6 +336,15 @@ impl Engine {
                     path: staging.to_path_buf(),
                     found: format!("{}:{} ({})", entry.major, entry.minor, entry.source),
                     expected: format!("{}:{}", want.0, want.1),
+                });
+            }
+            // N5: a read-only stage never takes a read-write mount of the device for its own
+            // (nor a read-write stage a read-only one).
+            if !access_matches(&entry, readonly) {
+                return Err(NodeError::StagedIncompatibly {
+                    volume: volume.to_string(),
+                    staged: access(entry.is_readonly()).into(),
+                    requested: access(readonly).into(),
                 });
             }
             tracing::info!("already mounted at the staging path");
@@ -694,6 +704,17 @@ impl Engine {
 }
 
 /// How a mount's access is named in errors.
+/// Whether a mount found at a staging path gives the access a stage asks for. A read-only
+/// stage takes only a mount that is read-only and whose filesystem is mounted read-only (so
+/// nothing writes the device through it, N5); a read-write stage only a writable one.
+fn access_matches(entry: &MountEntry, read_only: bool) -> bool {
+    if read_only {
+        entry.is_readonly() && entry.super_options.split(',').any(|o| o == "ro")
+    } else {
+        !entry.is_readonly()
+    }
+}
+
 fn access(read_only: bool) -> &'static str {
     if read_only { "read-only" } else { "read-write" }
 }
