@@ -569,7 +569,18 @@ impl Engine {
     }
 
     /// NodeGetVolumeStats.
-    pub(crate) fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Usage, NodeError> {
+    ///
+    /// After a target restart the reservation is gone and is taken back here (W9, never
+    /// preempting), but only under the volume's lock, taken with `lock` without waiting: an
+    /// unstage releasing the reservation holds it, and a take-back racing that release would
+    /// leave this host holding the reservation of a volume it no longer uses. When another
+    /// operation holds the volume the reservation is left alone this time; kubelet asks again.
+    pub(crate) fn stats<G>(
+        &self,
+        volume: &VolumeId,
+        path: &Path,
+        lock: impl FnOnce() -> Option<G>,
+    ) -> Result<Usage, NodeError> {
         let meta = match fs::metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -590,15 +601,25 @@ impl Engine {
             });
         };
         let mut condition = self.condition(&rec);
-        // W9: after a target restart the reservation is gone; take it back (never preempting).
-        if !condition.abnormal
-            && rec.phase == StagePhase::Mounted
-            && let Some(message) = self.reassert(&rec)
-        {
-            condition = Condition {
-                abnormal: true,
-                message,
-            };
+        if !condition.abnormal && rec.phase == StagePhase::Mounted && rec.reservation {
+            match lock() {
+                None => tracing::debug!(
+                    "another operation holds the volume; its NVMe reservation is not checked this time"
+                ),
+                Some(_held) => {
+                    // Under the lock, the record as it is now: an unstage that finished in
+                    // between removed it.
+                    let now = self.read_record(volume)?;
+                    if let Some(now) = now.filter(|r| r.phase == StagePhase::Mounted)
+                        && let Some(message) = self.reassert(&now)
+                    {
+                        condition = Condition {
+                            abnormal: true,
+                            message,
+                        };
+                    }
+                }
+            }
         }
         if meta.file_type().is_block_device() {
             let total = block_device_size(path).map_err(|source| NodeError::DeviceSize {
