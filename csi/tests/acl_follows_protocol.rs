@@ -147,3 +147,56 @@ async fn the_target_follows_the_protocol_acl_and_the_condition_says_what_it_enfo
         assert_eq!(acl_warnings(&env, "flip"), warnings + 1, "{kind:?}");
     }
 }
+
+// proves W6, W7 (issue 22, defect 10): an edit of the protocol's `acl` reaches a volume that
+// stays published, with no new publication and no agent restart: the leader's resync loop
+// scans the volumes (here: the first round of a new leader) and exports the subsystem again
+// with an ACL of the recorded publications, the lost node's live connection is cut, and the
+// condition follows. Without the scan the target kept admitting any host until the volume's
+// next publication.
+#[tokio::test]
+async fn an_acl_edit_reaches_a_volume_that_stays_published() {
+    for kind in STORES {
+        let mut env = Env::start(kind, false).await;
+        let double = ConfigfsDouble::create(&env.agent.configfs).unwrap();
+        env.client
+            .create_volume(create("stay", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        env.client
+            .controller_publish_volume(publish("stay", 1, Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
+        let port = port_of(&env, "stay");
+        double.host_connects(&nqn("stay"), &host(9), port).unwrap();
+        set_protocol_acl(&env, true).await;
+        // The next scan of the volumes (a new leader scans at its first round).
+        env.second_controller().resync_waiting_agents().await;
+        assert_eq!(
+            target_access(&env, "stay"),
+            (false, vec![host(1)]),
+            "{kind:?}: the target follows acl: true"
+        );
+        assert!(
+            double
+                .controllers(&nqn("stay"))
+                .unwrap()
+                .iter()
+                .all(|(_, h)| *h != host(9)),
+            "{kind:?}: a host the ACL does not admit kept its connection"
+        );
+        assert_eq!(
+            acl_condition(&env, "stay").await,
+            Some((ConditionStatus::False, "ProtocolAclOn".into())),
+            "{kind:?}"
+        );
+        // A scan with nothing to change changes nothing.
+        let before = env.store.get_volume("stay").await.unwrap().unwrap();
+        env.second_controller().resync_waiting_agents().await;
+        let after = env.store.get_volume("stay").await.unwrap().unwrap();
+        assert_eq!(
+            before.metadata.resource_version, after.metadata.resource_version,
+            "{kind:?}"
+        );
+    }
+}

@@ -89,7 +89,7 @@ impl Seen {
 }
 
 /// A volume whose `AclDisabled` follows an export being sent with the protocol's `acl`.
-struct AclChange {
+pub(super) struct AclChange {
     volume: String,
     uid: String,
     pv: Option<String>,
@@ -97,8 +97,8 @@ struct AclChange {
     acl: bool,
 }
 
-/// How often the resync loop counts the volumes with a revoke pending.
-const REVOKING_COUNT_EVERY: Duration = Duration::from_secs(60);
+/// How often the resync loop scans every volume (revokes pending, acl edits).
+const VOLUME_SCAN_EVERY: Duration = Duration::from_secs(60);
 
 /// How many volumes' resync tokens are taken at once.
 const RESYNC_TOKENS_IN_FLIGHT: usize = 32;
@@ -186,7 +186,7 @@ impl Controller {
     /// Records in `AclDisabled` the mode an export the agent confirmed gave a volume's target
     /// (the protocol's `acl` changed since the condition was written). Best-effort: a failed
     /// write leaves the condition saying the old mode, and the next publication exports again.
-    async fn record_acl_change(&self, change: AclChange) {
+    pub(super) async fn record_acl_change(&self, change: AclChange) {
         let AclChange {
             volume,
             uid,
@@ -210,7 +210,7 @@ impl Controller {
     /// marked it deleting and unexported it in between must not find it exported again. A
     /// deleting mark written after the token bumped the generation past it, so the agent
     /// refuses this export; it is left out all the same.
-    async fn resync_request(
+    pub(super) async fn resync_request(
         &self,
         v: &PillarVolumeState,
     ) -> Result<Option<(agent_api::ExportRequest, Option<AclChange>)>, ControllerError> {
@@ -296,7 +296,7 @@ impl Controller {
     /// One round of the resync loop; stops before the next agent once `leadership` is lost
     /// (a replica that was paused past its renew deadline acts no more).
     async fn resync_round(&self, leadership: &Leadership) {
-        self.count_revoking().await;
+        self.scan_volumes(leadership).await;
         let agents = match self.store.list_agents().await {
             Ok(a) => a,
             Err(e) => {
@@ -386,16 +386,17 @@ impl Controller {
         }
     }
 
-    /// Counts the volumes with a revoke pending, for `volumes_revoking`; at most once a minute
-    /// (it lists every volume).
-    async fn count_revoking(&self) {
+    /// At most once a minute (it lists every volume): counts the volumes with a revoke pending,
+    /// for `volumes_revoking`, and exports again with their protocol's `acl` the published
+    /// volumes whose target was confirmed in the other mode (`acl.rs`).
+    async fn scan_volumes(&self, leadership: &Leadership) {
         {
-            let mut last = self.revoking_counted.lock().await;
+            let mut last = self.volumes_scanned.lock().await;
             // A scrape while this replica did not lead zeroed the gauge: count again now.
             if self.metrics.take_leader_gauges_reset() {
                 *last = None;
             }
-            if last.is_some_and(|t| t.elapsed() < REVOKING_COUNT_EVERY) {
+            if last.is_some_and(|t| t.elapsed() < VOLUME_SCAN_EVERY) {
                 return;
             }
             *last = Some(std::time::Instant::now());
@@ -412,8 +413,9 @@ impl Controller {
                     })
                     .count();
                 self.metrics.set_volumes_revoking(n);
+                self.converge_acls(&volumes, leadership).await;
             }
-            Err(e) => tracing::debug!(error = %e, "cannot count revoking volumes"),
+            Err(e) => tracing::debug!(error = %e, "cannot list the volumes to scan"),
         }
     }
 
