@@ -871,8 +871,9 @@ fn acl_warning() -> (String, String) {
 }
 
 // proves W6, W7 (operator visibility of acl: false): a publication recorded under a protocol
-// with acl: false sets AclDisabled=True in the very write that records it (one status write,
-// even through conflicts) and records one Warning event; a retried publish, another node's
+// with acl: false sets AclDisabled=True once the agent confirmed the export that opens the
+// subsystem (the recording write, decided again through conflicts, then one write of the
+// condition) and records one Warning event; a retried publish, another node's
 // publish and another node's unpublish keep the condition and its transition time and record
 // nothing; the last unpublish clears it; a new transition warns again; a publish under a
 // protocol turned acl: true sets it False.
@@ -885,8 +886,8 @@ async fn acl_off_is_a_condition_on_the_volume_and_one_warning_per_transition() {
             .await
             .unwrap();
         assert_eq!(acl_condition(&env, "open-vol").await, None, "{kind:?}");
-        // Conflicts on the recording write: decided again each time, one event from the write
-        // that landed.
+        // Conflicts on the recording write: decided again each time; the condition is written
+        // after the agent's export, one event from the write that landed.
         env.faults.conflict(VolumeWrite::Status, 3);
         let writes = env.faults.calls(VolumeWrite::Status);
         env.client
@@ -896,8 +897,8 @@ async fn acl_off_is_a_condition_on_the_volume_and_one_warning_per_transition() {
         assert_eq!(env.faults.injected(VolumeWrite::Status), 3, "{kind:?}");
         assert_eq!(
             env.faults.calls(VolumeWrite::Status) - writes,
-            4,
-            "{kind:?}: the condition rides the recording write, no write of its own"
+            5,
+            "{kind:?}: the recording write (after 3 conflicts), then the condition's"
         );
         let (status, reason, _) = acl_condition(&env, "open-vol").await.unwrap();
         assert_eq!(

@@ -8,7 +8,7 @@ mod support;
 
 use pillar_csi::csi;
 use pillar_state::faults::{FaultyStore, VolumeWrite};
-use support::{Env, Mode, StoreKind, cap, create, delete, host, nqn, publish, unpublish};
+use support::{AGENT, Env, Mode, StoreKind, cap, create, delete, host, nqn, publish, unpublish};
 use tonic::Code;
 
 const STORES: [StoreKind; 2] = [StoreKind::Embedded, StoreKind::Kube];
@@ -267,5 +267,63 @@ async fn a_grant_retried_after_a_resync_never_readmits_a_revoked_host() {
             acl(&env, "w8r")
         );
         assert!(records(&env, "w8r").await.is_empty(), "{kind:?}");
+    }
+}
+
+// proves W5, W8 (issue 22, defect 12): a resync that listed a volume before another replica
+// marked it deleting takes no token for it and does not export it again: the token is taken
+// only while the volume is not being deleted, in the same compare-and-swap. The deleting
+// replica is held after its Unexport, before the token of its agent DeleteVolume, where the
+// resync's export would land. On the old code the resync took a token regardless, exported the
+// volume again, and the DeleteVolume failed "still exported" with a Refused event.
+#[tokio::test]
+async fn a_resync_never_exports_a_volume_another_replica_is_deleting() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        env.client
+            .create_volume(create("w8d", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        let agent = env.store.get_agent(AGENT).await.unwrap().unwrap();
+        let (resyncer, resyncer_store) = env.replica();
+        let resync_token = resyncer_store.pause_next(VolumeWrite::Status);
+        let resync = tokio::spawn(async move { resyncer.resync_agent(&agent).await });
+        resync_token.reached().await;
+        // The other replica marks the volume deleting and unexports it; it is held before the
+        // token of its DeleteVolume (its second status write).
+        let marking = env.faults.pause_next(VolumeWrite::Status);
+        let mut client = env.client.clone();
+        let deleting = tokio::spawn(async move { client.delete_volume(delete("w8d")).await });
+        marking.reached().await;
+        let delete_token = env.faults.pause_next(VolumeWrite::Status);
+        marking.release();
+        delete_token.reached().await;
+        assert!(
+            !env.agent.state().subsystems.contains_key(&nqn("w8d")),
+            "{kind:?}: unexported by the deleting replica"
+        );
+        resync_token.release();
+        let response = resync.await.unwrap().unwrap();
+        assert_conflicted(&resyncer_store, kind);
+        assert!(
+            response.results.iter().all(|r| r.volume_id != "w8d"),
+            "{kind:?}: the resync sent a volume being deleted: {:?}",
+            response.results
+        );
+        assert!(
+            !env.agent.state().subsystems.contains_key(&nqn("w8d")),
+            "{kind:?}: a resync exported again a volume being deleted"
+        );
+        delete_token.release();
+        deleting
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{kind:?}: DeleteVolume: {e:?}"));
+        assert!(env.store.get_volume("w8d").await.unwrap().is_none());
+        assert!(
+            env.events("w8d").is_empty(),
+            "{kind:?}: {:?}",
+            env.events("w8d")
+        );
     }
 }

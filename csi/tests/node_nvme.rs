@@ -431,3 +431,105 @@ async fn block_restage_reattaches_when_the_device_is_gone() {
     assert_eq!(h.record(vol).unwrap()["phase"], "mounted");
     h.unstage(vol, &staging).await.unwrap();
 }
+
+// proves W9 (issue 22, also noticed): NodeGetVolumeStats takes the reservation back only under
+// the volume's lock. While another operation holds the volume (here an expand waiting for a
+// size the device never reaches; an unstage releasing the reservation is the case that
+// matters), stats reports usage and condition but does not touch the reservation, so it can
+// never re-acquire what an unstage just released; once the volume is free again it does. The
+// stand-in device answers no NVMe command, so every attempt shows as an abnormal condition
+// naming the reservation. On the old code stats attempted it while the volume was busy.
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_takes_the_reservation_back_only_under_the_volume_lock() {
+    let lo = LoopDevice::new(SIZE);
+    let root = tempfile::tempdir().unwrap();
+    let mut f = FakeSysfs::new(root.path()).unwrap();
+    let vol = "pvc-stats-lock";
+    add_volume_on_loop(&mut f, 0, 0, vol, identity(vol), &lo);
+    // The expand below holds the volume for this long, whatever the machine's load.
+    let h = Harness::nvme(f.paths().clone(), Duration::from_secs(5)).await;
+    let (staging, _gs) = h.path("staging");
+    let (target, _gt) = h.path("pods/a/volume");
+    h.stage(vol, &staging, mount_cap("ext4"), nvme_ctx(vol))
+        .await
+        .unwrap();
+    h.publish(vol, &staging, &target, mount_cap("ext4"), false)
+        .await
+        .unwrap();
+    // Staged as a stage with reservations on would have left it (this device cannot take one).
+    let path = h.record_path(vol);
+    let mut rec: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    rec["reservation"] = serde_json::Value::Bool(true);
+    fs::write(&path, serde_json::to_vec(&rec).unwrap()).unwrap();
+    let attempted = |c: &pillar_csi::csi::VolumeCondition| {
+        c.abnormal && c.message.contains("NVMe Write Exclusive reservation")
+    };
+    let c = h
+        .stats(vol, &target)
+        .await
+        .unwrap()
+        .volume_condition
+        .unwrap();
+    assert!(attempted(&c), "stats does take the reservation back: {c:?}");
+
+    // An expand holds the volume until its wait gives up (5 s).
+    let busy = {
+        let client = h.client.clone();
+        let target = target.clone();
+        tokio::spawn(async move {
+            let mut client = client;
+            loop {
+                let answer = client
+                    .node_expand_volume(pillar_csi::csi::NodeExpandVolumeRequest {
+                        volume_id: vol.into(),
+                        volume_path: path_str(&target),
+                        capacity_range: Some(pillar_csi::csi::CapacityRange {
+                            required_bytes: i64_of(3 * SIZE),
+                            limit_bytes: 0,
+                        }),
+                        ..Default::default()
+                    })
+                    .await;
+                // The probe below held the volume at that moment: as a CO would, ask again.
+                if !matches!(&answer, Err(s) if s.code() == Code::Aborted) {
+                    return answer;
+                }
+            }
+        })
+    };
+    // The volume is held once a cheap call on it is refused as busy.
+    let (probe, _gp) = h.path("not-published-here");
+    loop {
+        if busy.is_finished() {
+            panic!(
+                "the expand ended before it was seen holding the volume: {:?}",
+                busy.await.unwrap()
+            );
+        }
+        if let Err(s) = h.unpublish(vol, &probe).await
+            && s.code() == Code::Aborted
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let s = h.stats(vol, &target).await.unwrap();
+    assert!(!s.usage.is_empty());
+    let c = s.volume_condition.unwrap();
+    assert!(
+        !attempted(&c),
+        "stats took the reservation back while another operation held the volume: {c:?}"
+    );
+    assert_code(busy.await.unwrap(), Code::Unavailable);
+    let c = h
+        .stats(vol, &target)
+        .await
+        .unwrap()
+        .volume_condition
+        .unwrap();
+    assert!(attempted(&c), "free again: {c:?}");
+
+    h.unpublish(vol, &target).await.unwrap();
+    h.unstage(vol, &staging).await.unwrap();
+}

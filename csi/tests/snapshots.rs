@@ -383,3 +383,163 @@ async fn a_snapshot_without_its_agent_keeps_its_record() {
     assert!(env.store.get_snapshot("snap-a").await.unwrap().is_some());
     assert!(env.agent.pool.join(".snapshots/snap-a.img").exists());
 }
+
+// Issue 21 item 7: a CreateSnapshot the agent refuses (here: its record names a source
+// lifecycle that was deleted and re-created after a first attempt failed) removes the not-ready
+// record it wrote, so nothing outlives the source; ListSnapshots never reports a record whose
+// cut did not happen; the name can be snapshotted again. A removal cut short (the agent's
+// DeleteSnapshot fails) leaves the record deleting and unlisted, and the next CreateSnapshot of
+// the name finishes it and cuts anew. On the old code the refused record stayed, not ready, and
+// ListSnapshots reported it.
+#[tokio::test]
+async fn a_refused_snapshot_leaves_no_record_behind() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        env.client
+            .create_volume(create("src", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        let listed = |env: &Env| {
+            let mut c = env.client.clone();
+            async move {
+                ids(&c
+                    .list_snapshots(csi::ListSnapshotsRequest::default())
+                    .await
+                    .unwrap()
+                    .into_inner())
+            }
+        };
+        env.agent
+            .hooks
+            .fail(pillar_agent::hooks::HookPoint::MarkWrite);
+        for name in ["s-old", "s-stuck"] {
+            let s = env
+                .client
+                .create_snapshot(snapshot(name, "src"))
+                .await
+                .unwrap_err();
+            assert_eq!(s.code(), Code::Internal, "{kind:?}: {}", s.message());
+        }
+        env.agent
+            .hooks
+            .clear(pillar_agent::hooks::HookPoint::MarkWrite);
+        assert!(env.store.get_snapshot("s-old").await.unwrap().is_some());
+        assert!(
+            listed(&env).await.is_empty(),
+            "{kind:?}: a record whose cut failed is listed"
+        );
+        // The source goes and comes back as a new lifecycle; the retry names the old one.
+        env.client
+            .delete_volume(support::delete("src"))
+            .await
+            .unwrap();
+        env.client
+            .create_volume(create("src", Mode::SingleNodeWriter))
+            .await
+            .unwrap();
+        let s = env
+            .client
+            .create_snapshot(snapshot("s-old", "src"))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            s.code(),
+            Code::FailedPrecondition,
+            "{kind:?}: {}",
+            s.message()
+        );
+        assert!(
+            env.store.get_snapshot("s-old").await.unwrap().is_none(),
+            "{kind:?}: the refused record outlives its source"
+        );
+        assert!(listed(&env).await.is_empty(), "{kind:?}");
+        let again = env
+            .client
+            .create_snapshot(snapshot("s-old", "src"))
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshot
+            .unwrap();
+        assert!(again.ready_to_use, "{kind:?}");
+        assert_eq!(listed(&env).await, ["s-old"], "{kind:?}");
+
+        // Refused again, and the agent cannot end the snapshot's mark this time.
+        env.agent
+            .hooks
+            .fail(pillar_agent::hooks::HookPoint::MarkWrite);
+        let s = env
+            .client
+            .create_snapshot(snapshot("s-stuck", "src"))
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), Code::FailedPrecondition, "{kind:?}: {s:?}");
+        env.agent
+            .hooks
+            .clear(pillar_agent::hooks::HookPoint::MarkWrite);
+        let stuck = env.store.get_snapshot("s-stuck").await.unwrap().unwrap();
+        assert!(stuck.status_or_default().deleting, "{kind:?}");
+        assert_eq!(listed(&env).await, ["s-old"], "{kind:?}");
+        let cut = env
+            .client
+            .create_snapshot(snapshot("s-stuck", "src"))
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshot
+            .unwrap();
+        assert!(cut.ready_to_use, "{kind:?}");
+        let now = env.store.get_snapshot("s-stuck").await.unwrap().unwrap();
+        assert_ne!(
+            now.metadata.uid, stuck.metadata.uid,
+            "{kind:?}: recorded anew"
+        );
+        assert_eq!(listed(&env).await, ["s-old", "s-stuck"], "{kind:?}");
+    }
+}
+
+// Issue 22 (also noticed): a refused DeleteSnapshot (here: its PillarAgent is gone, C1) is a
+// Refused event about the snapshot's source volume naming the snapshot, never about a volume
+// that happens to share the snapshot's ID. On the old code the event looked up a *volume*
+// named after the snapshot ID and was recorded on the unrelated volume "twin".
+#[tokio::test]
+async fn a_refused_snapshot_call_is_an_event_on_its_source_volume() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        for v in ["src", "twin"] {
+            env.client
+                .create_volume(create(v, Mode::SingleNodeWriter))
+                .await
+                .unwrap();
+        }
+        env.client
+            .create_snapshot(snapshot("twin", "src"))
+            .await
+            .unwrap();
+        let agent = env.store.list_agents().await.unwrap().remove(0);
+        let name = agent.metadata.name.clone().unwrap();
+        env.store
+            .delete_agent(&name, &Revision::of(&agent).unwrap())
+            .await
+            .unwrap();
+        let s = env
+            .client
+            .delete_snapshot(csi::DeleteSnapshotRequest {
+                snapshot_id: "twin".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), Code::FailedPrecondition, "{kind:?}: {s:?}");
+        assert!(
+            env.events("twin").is_empty(),
+            "{kind:?}: an event on the unrelated volume: {:?}",
+            env.events("twin")
+        );
+        assert_eq!(
+            env.events("src"),
+            [("Warning".to_owned(), "Refused".to_owned())],
+            "{kind:?}"
+        );
+    }
+}

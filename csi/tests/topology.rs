@@ -200,3 +200,73 @@ async fn capacity_is_answered_per_topology_segment() {
     assert!(close(a, one) && close(b, one), "{a} {b} vs {one}");
     assert_eq!(c, 0);
 }
+
+// Issue 22, defect 13: a StorageClass that names only `pillar.io/pool` (CreateVolume places it
+// by topology among the agents with that pool) gets capacity for each topology segment: the
+// agents reachable from the segment that have the pool, summed; a segment without one has
+// none, and so does a pool no agent has. On the old code GetCapacity answered
+// INVALID_ARGUMENT ("2 agents exist; name one"), and capacity tracking got nothing.
+#[tokio::test]
+async fn capacity_of_a_pool_named_alone_is_answered_per_topology_segment() {
+    let mut env = Env::start(StoreKind::Embedded, true).await;
+    let capacity = |env: &mut Env, pool: &str, topology: Option<csi::Topology>| {
+        let mut c = env.client.clone();
+        let parameters = HashMap::from([("pillar.io/pool".to_owned(), pool.to_owned())]);
+        async move {
+            c.get_capacity(csi::GetCapacityRequest {
+                accessible_topology: topology,
+                parameters,
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner().available_capacity)
+        }
+    };
+    let one = capacity(&mut env, "p1", None).await.unwrap();
+    assert!(one > 0);
+    two_zones(&env).await;
+    let all = capacity(&mut env, "p1", None).await.unwrap();
+    let a = capacity(&mut env, "p1", Some(node_in("zone-a")))
+        .await
+        .unwrap();
+    let b = capacity(&mut env, "p1", Some(node_in("zone-b")))
+        .await
+        .unwrap();
+    let c = capacity(&mut env, "p1", Some(node_in("zone-c")))
+        .await
+        .unwrap();
+    let close = |x: i64, y: i64| (x - y).abs() < 64 << 20;
+    assert!(close(all, 2 * one), "{all} vs 2 x {one}");
+    assert!(close(a, one) && close(b, one), "{a} {b} vs {one}");
+    assert_eq!(c, 0);
+    assert_eq!(
+        capacity(&mut env, "no-such-pool", Some(node_in("zone-a")))
+            .await
+            .unwrap(),
+        0
+    );
+    // CreateVolume with the same parameters places by topology: the capacity counted for a
+    // segment is the capacity of where a volume for it goes.
+    let mut req = wanting("pool-only", vec![node_in("zone-b")], vec![]);
+    req.parameters = HashMap::from([("pillar.io/pool".to_owned(), "p1".to_owned())]);
+    let created = env.client.create_volume(req).await.unwrap().into_inner();
+    assert_eq!(
+        zone_of(created.volume.as_ref().unwrap()),
+        vec![segments(&[(ZONE, "zone-b")])]
+    );
+    // Naming an agent still counts that agent's pool alone.
+    let mut c2 = env.client.clone();
+    let named = c2
+        .get_capacity(csi::GetCapacityRequest {
+            parameters: HashMap::from([
+                ("pillar.io/agent".to_owned(), "storage-2".to_owned()),
+                ("pillar.io/pool".to_owned(), "p1".to_owned()),
+            ]),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .available_capacity;
+    assert!(close(named, one), "{named} vs {one}");
+}

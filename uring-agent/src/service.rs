@@ -508,17 +508,24 @@ impl Agent {
         } else {
             Source::Kernel
         };
-        let (guard, plan) = self
+        let (guard, (plan, closes)) = self
             .plan_under_lock_from(
                 &nqn,
                 source,
                 &mut |view| {
-                    plan_export(view, &spec).map_err(|source| AgentError::Plan {
+                    // W7: an export that turns a subsystem admitting any host into one with an
+                    // ACL (the protocol's `acl` turned on) must also cut the live connections:
+                    // a host connected while any host was admitted keeps its controller
+                    // otherwise, whatever the ACL says.
+                    let closes = matches!(spec.access, HostAccess::Only(_))
+                        && view.subsystem(&nqn).is_some_and(|s| s.allow_any_host);
+                    let plan = plan_export(view, &spec).map_err(|source| AgentError::Plan {
                         volume: volume.to_string(),
                         source,
-                    })
+                    })?;
+                    Ok((plan, closes))
                 },
-                |plan| &plan.ops,
+                |(plan, _)| &plan.ops,
             )
             .await?;
         let adopted = !plan.adoptions.is_empty();
@@ -556,6 +563,14 @@ impl Agent {
         let after = self.target.read_back(&guard, nqn.as_str()).await?;
         if !self.settings.kernel_random_identity {
             verify(&after, &plan.effective)?;
+        }
+        if closes {
+            // Unlinking the subsystem from its ports deletes its controllers; only the hosts
+            // the ACL now admits reconnect.
+            self.target
+                .apply(&guard, plan_cut_connections(&after, &nqn))
+                .await?;
+            tracing::info!(%volume, "export closed a subsystem that admitted any host: live connections cut");
         }
         tracing::info!(%volume, nqn = %spec.nqn, adopted, "exported");
         Ok(Exported {

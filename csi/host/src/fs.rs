@@ -329,6 +329,17 @@ impl FsType {
         }
     }
 
+    /// The mount option that lets this filesystem mount while another copy of it (same
+    /// filesystem UUID: a clone or a restore is a byte copy of its source) is mounted on the
+    /// node. XFS refuses a second mount of a UUID without `nouuid`; ext4 does not check. The
+    /// same device mounted twice is still one superblock, so this only admits distinct devices.
+    pub fn duplicate_uuid_option(self) -> Option<&'static str> {
+        match self {
+            Self::Ext4 => None,
+            Self::Xfs => Some("nouuid"),
+        }
+    }
+
     /// The mount option that keeps a read-only mount from replaying the filesystem's log: a
     /// replay writes to the device, which a node sharing a volume read-only must never do (N5).
     pub fn no_log_replay_option(self) -> &'static str {

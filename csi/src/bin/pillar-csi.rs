@@ -45,10 +45,20 @@ async fn main() -> anyhow::Result<()> {
             metrics_listen,
         } => {
             // The pod's name (deploy/base/controller.yaml sets POD_NAME) names this replica in its
-            // Events and as the Lease holder.
-            let instance = std::env::var("POD_NAME")
-                .or_else(|_| std::env::var("HOSTNAME"))
+            // Events and as the Lease holder. Without one the controller refuses to start with
+            // the Kubernetes store (an empty holder would be every nameless replica's own Lease,
+            // and an Event needs a reporting instance); a generated name would change with every
+            // restart and name no pod an operator can find.
+            let instance = ["POD_NAME", "HOSTNAME"]
+                .into_iter()
+                .find_map(|var| std::env::var(var).ok().filter(|v| !v.trim().is_empty()))
                 .unwrap_or_default();
+            if instance.is_empty() && embedded_store.is_none() {
+                anyhow::bail!(
+                    "neither POD_NAME nor HOSTNAME names this controller replica; set POD_NAME \
+                     to the pod's name (deploy/base/controller.yaml does, from metadata.name)"
+                );
+            }
             let (store, elector): (Arc<dyn StateStore>, _) = match embedded_store {
                 Some(dir) => (
                     Arc::new(

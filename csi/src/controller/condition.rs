@@ -1,9 +1,12 @@
 //! What the controller tells an operator about a volume: status conditions on its
 //! PillarVolumeState and Kubernetes Events about it.
 //!
-//! - A condition is decided from the record inside the compare-and-swap that writes what it
-//!   describes (W8), so it never disagrees with the record: `AclDisabled` is set in the write
-//!   that records a publication and cleared in the write that removes the last one.
+//! - A condition is decided from the record inside a compare-and-swap (W8). `Revoking` rides the
+//!   write that marks or removes a publication. `AclDisabled` says what the storage node
+//!   enforces for a published volume: it is written after the agent confirmed an export with
+//!   the protocol's `acl` (a publication whose target mode was not confirmed, a resync), so it
+//!   never claims an ACL the target does not hold; it is cleared in the write that removes the
+//!   last publication.
 //! - An event reports a condition's transition, decided by the write that landed (one
 //!   transition, one event, whatever the retries or the replicas). Recording it is
 //!   best-effort: a failure is logged and the CSI call goes on.
@@ -18,10 +21,14 @@ use pillar_state::crd::PillarVolumeStateStatus;
 use pillar_state::store::{EventType, VolumeEvent};
 
 use super::Controller;
+use super::error::ControllerError;
+use super::record::Write;
 
-/// `AclDisabled` reason: the protocol the publication was recorded under has `acl: false`.
+/// `AclDisabled` reason: the storage node confirmed an export with `acl: false`: its subsystem
+/// admits any host.
 pub const REASON_ACL_OFF: &str = "ProtocolAclOff";
-/// `AclDisabled` reason: the protocol admits only published hosts.
+/// `AclDisabled` reason: the storage node confirmed an export with `acl: true`: its subsystem
+/// admits only the hosts of recorded publications.
 pub const REASON_ACL_ON: &str = "ProtocolAclOn";
 /// `AclDisabled` reason: no publication is recorded.
 pub const REASON_NOT_PUBLISHED: &str = "NotPublished";
@@ -44,15 +51,28 @@ const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The message of `AclDisabled` = True (also the note of its event).
 pub fn acl_off_message(protocol: &str) -> String {
     format!(
-        "published under PillarProtocol {protocol} with acl: false: any host that reaches the \
-         NVMe/TCP port can connect, and unpublishing cannot keep a lost node out (docs/rules.md \
-         W6, W7; set acl: true; docs/runbook.md, \"AclDisabled\")"
+        "exported under PillarProtocol {protocol} with acl: false: the storage node admits any \
+         host that reaches the NVMe/TCP port, and unpublishing cannot keep a lost node out \
+         (docs/rules.md W6, W7; set acl: true; docs/runbook.md, \"AclDisabled\")"
     )
 }
 
-/// Sets `AclDisabled` in `status` for a publication recorded in the same write under
-/// `protocol` with `acl` (W6, W7): True when the ACL is off, False when it is on. Keeps the
-/// transition time unless the status changes.
+/// What the storage node was last confirmed to enforce for a published volume, from its
+/// `AclDisabled` condition: `Some(true)` an ACL, `Some(false)` any host, `None` not known (no
+/// publication since the condition was cleared, or never confirmed).
+pub fn enforced_acl(status: &PillarVolumeStateStatus) -> Option<bool> {
+    let c = find_condition(&status.conditions, ACL_DISABLED)?;
+    match (c.status, c.reason.as_str()) {
+        (ConditionStatus::False, REASON_ACL_ON) => Some(true),
+        (ConditionStatus::True, REASON_ACL_OFF) => Some(false),
+        _ => None,
+    }
+}
+
+/// Sets `AclDisabled` in `status` to what the storage node enforces after it confirmed an
+/// export of the volume with `acl` under `protocol` (W6, W7): True when it admits any host,
+/// False when it admits only published hosts. Keeps the transition time unless the status
+/// changes.
 pub fn set_acl_condition(
     status: &mut PillarVolumeStateStatus,
     protocol: &str,
@@ -64,7 +84,10 @@ pub fn set_acl_condition(
             ACL_DISABLED,
             ConditionStatus::False,
             REASON_ACL_ON,
-            format!("PillarProtocol {protocol} admits only the host NQNs of published nodes"),
+            format!(
+                "exported under PillarProtocol {protocol} with acl: true: the storage node admits \
+                 only the host NQNs of published nodes"
+            ),
             generation,
             now(),
         )
@@ -225,6 +248,73 @@ impl Controller {
             reason: EVENT_REFUSED.to_owned(),
             action: method.to_owned(),
             note: message.to_owned(),
+        })
+        .await;
+    }
+
+    /// Records in `AclDisabled` that the storage node enforces `acl` (under `protocol`) for
+    /// `volume` (lifecycle `uid`, PersistentVolume `pv`), after the agent confirmed an export with it (W6, W7). One
+    /// compare-and-swap, only when the condition changes and a publication is recorded (the
+    /// write removing the last one clears it); a transition to True records one Warning. A
+    /// failed write fails the caller, which is retried: the export is then sent again.
+    pub(super) async fn record_enforced_acl(
+        &self,
+        volume: &str,
+        uid: &str,
+        pv: Option<String>,
+        protocol: &str,
+        acl: bool,
+    ) -> Result<(), ControllerError> {
+        let (_, change) = self
+            .compare_and_swap(volume, uid, |current| {
+                let mut status = current.status_or_default();
+                if status.published_nodes.is_empty() {
+                    return Ok((Write::Nothing, ConditionChange::Unchanged));
+                }
+                let change =
+                    set_acl_condition(&mut status, protocol, acl, current.metadata.generation);
+                if change == ConditionChange::Unchanged {
+                    return Ok((Write::Nothing, change));
+                }
+                Ok((Write::Status(status), change))
+            })
+            .await?;
+        if !acl && change.is_transition() {
+            // One event per transition to True: whoever finds the condition True already
+            // records none.
+            self.warn_acl_disabled(volume, uid, pv, protocol).await;
+        }
+        Ok(())
+    }
+
+    /// The Warning event for a CSI call on snapshot `snapshot` refused by a rule: about the
+    /// snapshot's source volume (the lifecycle the snapshot was cut from), naming the snapshot.
+    /// Nothing when the snapshot or that lifecycle of its source is gone: a snapshot ID never
+    /// names a volume, even one whose ID is the same string.
+    pub(super) async fn warn_snapshot_refused(
+        &self,
+        method: &'static str,
+        snapshot: &str,
+        message: &str,
+    ) {
+        let Ok(Some(s)) = self.store.get_snapshot(snapshot).await else {
+            return;
+        };
+        let source = &s.spec.source_volume_id;
+        let Ok(Some(volume)) = self.store.get_volume(source).await else {
+            return;
+        };
+        if volume.metadata.uid.as_deref() != Some(s.spec.source_uid.as_str()) {
+            return;
+        }
+        self.record_event(VolumeEvent {
+            volume: source.clone(),
+            uid: s.spec.source_uid.clone(),
+            pv: super::agent::pv_of(&volume),
+            type_: EventType::Warning,
+            reason: EVENT_REFUSED.to_owned(),
+            action: method.to_owned(),
+            note: format!("snapshot {snapshot}: {message}"),
         })
         .await;
     }

@@ -4,6 +4,11 @@
 //! resync rounds by result, and whether this replica holds the Lease.
 //!
 //! Labels are bounded sets (method names, gRPC codes, agent reasons, kinds): never a volume ID.
+//!
+//! `volumes_revoking` and `agent_waiting_for_resync` are what the leader's resync loop saw: a
+//! replica that does not hold the Lease (it lost it, or never held it) exports them as zero and
+//! no agent, never the values of its last rounds, since the alerts take the maximum over every
+//! replica.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -57,6 +62,9 @@ pub struct ControllerMetrics {
     revoking: Gauge,
     /// Read at each scrape into `leader`.
     leadership: std::sync::Mutex<Option<Leadership>>,
+    /// Set when a scrape found this replica not leading and reset the leader's gauges: the
+    /// next round counts at once instead of waiting for its usual interval.
+    leader_gauges_reset: std::sync::atomic::AtomicBool,
 }
 
 impl Default for ControllerMetrics {
@@ -126,6 +134,7 @@ impl ControllerMetrics {
             resync,
             leader,
             leadership: std::sync::Mutex::new(None),
+            leader_gauges_reset: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -190,15 +199,31 @@ impl ControllerMetrics {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(leadership);
     }
 
+    /// Whether a scrape reset the leader's gauges since the last call (the counts must be
+    /// taken again at once).
+    pub fn take_leader_gauges_reset(&self) -> bool {
+        self.leader_gauges_reset
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+    }
+
     /// The text exposition format.
     pub fn encode(&self) -> String {
-        let leading = self
+        let watched = self
             .leadership
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .as_ref()
-            .is_some_and(Leadership::is_leader);
+            .map(Leadership::is_leader);
+        let leading = watched.unwrap_or(false);
         self.leader.set(i64::from(leading));
+        if watched == Some(false) {
+            // Not the leader (any more): what earlier rounds saw is stale, and another replica
+            // reports the truth.
+            self.revoking.set(0);
+            self.waiting.clear();
+            self.leader_gauges_reset
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();

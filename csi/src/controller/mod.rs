@@ -7,7 +7,8 @@
 //! - `provision`: create (empty, or restored or cloned from a source), delete, expand;
 //!   `snapshot`: a snapshot's lifecycle; `topology`: which agents a request may use;
 //!   `read`: validate, list, get, capacity;
-//! - `agent`: reaching a volume's agent; `resync`: bringing a restarted agent back;
+//! - `agent`: reaching a volume's agent; `resync`: bringing a restarted agent back; `acl`:
+//!   an edit of a protocol's `acl` applied to the volumes already published;
 //! - `condition`: status conditions (`AclDisabled`) set inside the writes they describe, and
 //!   best-effort Kubernetes Events on their transitions;
 //! - `error`: the error type and the code table; `service`: the tonic adapter.
@@ -30,6 +31,7 @@
 //!   store's compare-and-swap orders calls of different replicas.
 //! - Agent errors are decided on their typed reason, never on message text.
 
+mod acl;
 mod agent;
 mod condition;
 mod error;
@@ -81,8 +83,8 @@ pub struct Controller {
     /// One call at a time per volume ID in this process.
     locks: LockById<String>,
     resync_lock: Mutex<()>,
-    /// When the resync loop last counted the volumes with a revoke pending.
-    revoking_counted: Mutex<Option<std::time::Instant>>,
+    /// When the resync loop last scanned every volume (revokes pending, acl edits).
+    volumes_scanned: Mutex<Option<std::time::Instant>>,
 }
 
 impl Controller {
@@ -94,7 +96,7 @@ impl Controller {
             agents,
             locks: LockById::new(),
             resync_lock: Mutex::new(()),
-            revoking_counted: Mutex::new(None),
+            volumes_scanned: Mutex::new(None),
         })
     }
 

@@ -22,7 +22,7 @@ use tonic::Status;
 
 use super::agent::{VolumeAgent, export_request};
 use super::error::ControllerError;
-use super::record::{Write, always, not_deleting, token};
+use super::record::{Precondition, Write, always, not_deleting, token};
 use super::request::{self, Create, Source, VolumeRef};
 use super::{Controller, params, topology};
 use crate::{context, csi};
@@ -309,7 +309,7 @@ impl Controller {
                 created.size_bytes, req.size.limit
             )));
         }
-        let exported = self.export(&target, &protocol).await?;
+        let exported = self.export(&target, &protocol, None, &not_deleting).await?;
         tracing::info!(volume = %name, agent = %state.spec.agent, size = created.size_bytes, "volume created and exported");
         Ok(csi::CreateVolumeResponse {
             volume: Some(csi::Volume {
@@ -324,14 +324,17 @@ impl Controller {
         })
     }
 
-    /// Exports the volume as its record says, with a fresh token.
-    async fn export(
+    /// Exports the volume as its record says, with `token` (a fresh one taken while `still`
+    /// holds when `None`), under `protocol`'s `acl`.
+    pub(super) async fn export(
         &self,
         target: &VolumeAgent,
         protocol: &PillarProtocol,
+        token: Option<agent_api::FencingToken>,
+        still: &Precondition<'_>,
     ) -> Result<agent_api::ExportResponse, ControllerError> {
         let exported = self
-            .call_agent(target, "Export", None, &not_deleting, |mut c, token| {
+            .call_agent(target, "Export", token, still, |mut c, token| {
                 let store = Arc::clone(&self.store);
                 let (name, uid) = (target.name.clone(), target.uid.clone());
                 let protocol = protocol.clone();

@@ -19,9 +19,7 @@ use pillar_state::crd::{
 
 use super::Controller;
 use super::agent::VolumeAgent;
-use super::condition::{
-    clear_acl_condition_if_unpublished, set_acl_condition, set_revoking_condition,
-};
+use super::condition::{clear_acl_condition_if_unpublished, enforced_acl, set_revoking_condition};
 use super::error::{ControllerError, describe};
 use super::record::{Write, token};
 use super::request::{self, VolumeRef};
@@ -231,47 +229,19 @@ impl Controller {
             recorded_generation: 0,
         };
         // W1, W2, W8: decided and recorded in one compare-and-swap that also bumps the
-        // generation for the grant's token. W6, W7: the same write sets AclDisabled from the
-        // protocol, so the condition never disagrees with the records it describes.
-        let acl = protocol.spec.nvme_tcp.acl;
-        let (_, (generation, acl_change)) = self
-            .update_status(&name, &target.uid, |current, status| {
-                let generation = record(&name, &wanted, status)?;
-                let change = set_acl_condition(
-                    status,
-                    &state.spec.protocol,
-                    acl,
-                    current.metadata.generation,
-                );
-                Ok((generation, change))
+        // generation for the agent call's token; the same read says what the storage node was
+        // last confirmed to enforce (W6).
+        let (_, (generation, enforced)) = self
+            .update_status(&name, &target.uid, |_, status| {
+                let enforced = enforced_acl(status);
+                Ok((record(&name, &wanted, status)?, enforced))
             })
             .await?;
-        if !acl && acl_change.is_transition() {
-            // One event per transition to True: a retried publish, or another node's, finds
-            // the condition already True and records none.
-            self.warn_acl_disabled(&name, &target.uid, target.pv.clone(), &state.spec.protocol)
-                .await;
-        }
         let recorded = PublishedNode {
             recorded_generation: generation,
             ..wanted.clone()
         };
-        let still_admitted = |current: &PillarVolumeState| still_admitted(current, &recorded);
-        self.call_agent(
-            &target,
-            "GrantInitiator",
-            token(&target.uid, generation),
-            &still_admitted,
-            |mut c, token| {
-                let r = agent_api::GrantInitiatorRequest {
-                    token,
-                    volume_id: name.clone(),
-                    host_nqn: wanted.host_nqn.clone(),
-                };
-                async move { c.grant_initiator(r).await }
-            },
-        )
-        .await?;
+        self.admit(&target, &protocol, &recorded, enforced).await?;
         let mut publish_context = publish_context(&volume, &target.agent, &protocol);
         if read_only(&wanted) {
             publish_context.insert(context::READ_ONLY.to_owned(), "true".to_owned());
@@ -279,11 +249,58 @@ impl Controller {
         if let Some(device) = self.local_device(&target.client, &state).await? {
             publish_context.insert(context::LOCAL_DEVICE.to_owned(), device);
         }
-        if !acl {
+        if !protocol.spec.nvme_tcp.acl {
             tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with acl: false: any host that reaches the port can connect, and unpublishing cannot keep a lost node out");
         }
         tracing::info!(volume = %name, node = %wanted.node, mode = ?wanted.access_mode, readonly = wanted.readonly, "published");
         Ok(csi::ControllerPublishVolumeResponse { publish_context })
+    }
+
+    /// Has the agent admit the host of `recorded` (written with its generation). When the
+    /// storage node was last confirmed to enforce the protocol's `acl`, a grant does it (a grant
+    /// changes only the ACL, never the mode). Otherwise (the protocol's `acl` was edited, or the
+    /// mode is not known: the first publication since the last was removed) the subsystem is
+    /// exported again from the record with the protocol's `acl`, which the agent applies (an
+    /// export closing a subsystem that admitted any host cuts its live connections, W7), and
+    /// then `AclDisabled` records what it enforces (W6): the condition never claims an ACL the
+    /// target does not hold.
+    async fn admit(
+        &self,
+        target: &VolumeAgent,
+        protocol: &PillarProtocol,
+        recorded: &PublishedNode,
+        enforced: Option<bool>,
+    ) -> Result<(), ControllerError> {
+        let name = &target.name;
+        let acl = protocol.spec.nvme_tcp.acl;
+        let still_admitted = |current: &PillarVolumeState| still_admitted(current, recorded);
+        let token = token(&target.uid, recorded.recorded_generation);
+        if enforced == Some(acl) {
+            self.call_agent(
+                target,
+                "GrantInitiator",
+                token,
+                &still_admitted,
+                |mut c, token| {
+                    let r = agent_api::GrantInitiatorRequest {
+                        token,
+                        volume_id: name.clone(),
+                        host_nqn: recorded.host_nqn.clone(),
+                    };
+                    async move { c.grant_initiator(r).await }
+                },
+            )
+            .await?;
+            return Ok(());
+        }
+        if let Some(was) = enforced {
+            tracing::info!(volume = %name, was_acl = was, acl, "the protocol's acl changed: exported again");
+        }
+        self.export(target, protocol, token, &still_admitted)
+            .await?;
+        let protocol_name = protocol.metadata.name.clone().unwrap_or_default();
+        self.record_enforced_acl(name, &target.uid, target.pv.clone(), &protocol_name, acl)
+            .await
     }
 
     /// ControllerUnpublishVolume. An empty node ID unpublishes from every node.

@@ -89,17 +89,10 @@ impl Controller {
         &self,
         req: csi::ListVolumesRequest,
     ) -> Result<csi::ListVolumesResponse, ControllerError> {
-        let (start, max) = request::list(&req)?;
-        let volumes = self.store.list_volumes().await?;
-        if start > volumes.len() {
-            return Err(ControllerError::BadStartingToken(req.starting_token));
-        }
-        let end = if max == 0 {
-            volumes.len()
-        } else {
-            start.saturating_add(max).min(volumes.len())
-        };
-        let entries = volumes[start..end]
+        let page = request::list(&req)?;
+        let mut volumes = self.store.list_volumes().await?;
+        let (volumes, next_token) = request::paged(&mut volumes, |v| &v.spec.volume_id, &page);
+        let entries = volumes
             .iter()
             .map(|v| csi::list_volumes_response::Entry {
                 volume: Some(csi_volume(v)),
@@ -111,11 +104,7 @@ impl Controller {
             .collect();
         Ok(csi::ListVolumesResponse {
             entries,
-            next_token: if end < volumes.len() {
-                end.to_string()
-            } else {
-                String::new()
-            },
+            next_token,
         })
     }
 
@@ -149,21 +138,26 @@ impl Controller {
         })
     }
 
-    /// GetCapacity: one pool when parameters name it, else every agent's pools together.
+    /// GetCapacity, for the StorageClass's parameters and, when given, one topology segment
+    /// (external-provisioner's capacity tracking asks once per segment): what CreateVolume
+    /// with the same parameters could place there.
+    ///
+    /// - `pillar.io/agent` named: that agent's pool (the named one, or its only one), or
+    ///   nothing when the segment cannot reach it;
+    /// - only `pillar.io/pool` named: that pool on every agent reachable from the segment that
+    ///   has it, summed (CreateVolume places such a class by topology among them); a segment
+    ///   where none has it has nothing;
+    /// - neither: every pool of every reachable agent.
     pub async fn capacity(
         &self,
         req: csi::GetCapacityRequest,
     ) -> Result<csi::GetCapacityResponse, ControllerError> {
-        // Capacity per topology segment (external-provisioner's capacity tracking): only what a
-        // node in that segment can reach.
         let reachable = |a: &PillarAgent| {
             req.accessible_topology
                 .as_ref()
                 .is_none_or(|t| super::topology::reachable_from(&a.spec.topology, &t.segments))
         };
-        let targets: Vec<(PillarAgent, String)> = if req.parameters.contains_key(params::AGENT)
-            || req.parameters.contains_key(params::POOL)
-        {
+        let targets: Vec<(PillarAgent, String)> = if req.parameters.contains_key(params::AGENT) {
             let (agent, pool) = self.pick_agent(&req.parameters, None).await?;
             if reachable(&agent) {
                 vec![(agent, pool)]
@@ -171,13 +165,20 @@ impl Controller {
                 Vec::new()
             }
         } else {
+            let named = req.parameters.get(params::POOL);
             self.store
                 .list_agents()
                 .await?
                 .into_iter()
                 .filter(|a| reachable(a))
                 .flat_map(|a| {
-                    let pools: Vec<String> = a.spec.pools.iter().map(|p| p.name.clone()).collect();
+                    let pools: Vec<String> = a
+                        .spec
+                        .pools
+                        .iter()
+                        .map(|p| p.name.clone())
+                        .filter(|p| named.is_none_or(|n| n == p))
+                        .collect();
                     pools.into_iter().map(move |p| (a.clone(), p))
                 })
                 .collect()

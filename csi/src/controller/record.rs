@@ -129,19 +129,11 @@ impl Controller {
         Ok((after, out))
     }
 
-    /// A fresh fencing token for `name`'s lifecycle `uid` (F2, F3): the generation bumped by
-    /// compare-and-swap.
-    pub(super) async fn next_token(
-        &self,
-        name: &str,
-        uid: &str,
-    ) -> Result<Option<agent_api::FencingToken>, ControllerError> {
-        self.next_token_if(name, uid, &|_| Ok(())).await
-    }
-
-    /// A fresh fencing token, taken only while `still` holds of the record: the check and the
-    /// generation bump are one compare-and-swap, so whatever another replica records after it
-    /// carries a newer generation and is ordered after this token at the agent (W8).
+    /// A fresh fencing token for `name`'s lifecycle `uid` (F2, F3), taken only while `still`
+    /// holds of the record: the check and the generation bump are one compare-and-swap, so
+    /// whatever another replica records after it carries a newer generation and is ordered
+    /// after this token at the agent (W8). Every token is taken with a precondition; a call
+    /// that needs none passes [`always`].
     pub(super) async fn next_token_if(
         &self,
         name: &str,

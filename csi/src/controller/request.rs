@@ -193,8 +193,8 @@ pub fn create_snapshot(
     ))
 }
 
-/// ListSnapshots' page: the start index and the most entries (0: all).
-pub fn list_snapshots(req: &csi::ListSnapshotsRequest) -> Result<(usize, usize), ControllerError> {
+/// ListSnapshots' page.
+pub fn list_snapshots(req: &csi::ListSnapshotsRequest) -> Result<Page, ControllerError> {
     page(&req.starting_token, req.max_entries)
 }
 
@@ -301,21 +301,65 @@ pub fn get(req: &csi::ControllerGetVolumeRequest) -> Result<VolumeRef, Controlle
 }
 
 /// ListVolumes paging: where to start and how many entries at most (0: all).
-pub fn list(req: &csi::ListVolumesRequest) -> Result<(usize, usize), ControllerError> {
+pub fn list(req: &csi::ListVolumesRequest) -> Result<Page, ControllerError> {
     page(&req.starting_token, req.max_entries)
 }
 
-fn page(starting_token: &str, max_entries: i32) -> Result<(usize, usize), ControllerError> {
-    let start = if starting_token.is_empty() {
-        0
+/// One page of a listing sorted by name: the entries after `after` (from the first when
+/// `None`), at most `max` of them (0: all).
+///
+/// The page token names the last entry returned, not its index: an entry deleted (or, for a
+/// snapshot, marked deleting) between two pages does not shift the next page, so no entry that
+/// existed the whole time is skipped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Page {
+    pub after: Option<VolumeId>,
+    pub max: usize,
+}
+
+/// What a page token starts with; the rest is the name of the last entry returned.
+const PAGE_TOKEN_PREFIX: &str = "after:";
+
+/// The token of the page after the one that ended with `last`.
+pub fn page_token(last: &str) -> String {
+    format!("{PAGE_TOKEN_PREFIX}{last}")
+}
+
+fn page(starting_token: &str, max_entries: i32) -> Result<Page, ControllerError> {
+    let after = if starting_token.is_empty() {
+        None
     } else {
-        starting_token
-            .parse::<usize>()
-            .map_err(|_| ControllerError::BadStartingToken(starting_token.to_owned()))?
+        // Volume and snapshot IDs share one form; a token this controller never issued is
+        // ABORTED, as CSI asks.
+        let issued = starting_token
+            .strip_prefix(PAGE_TOKEN_PREFIX)
+            .and_then(pillar_volume_id)
+            .ok_or_else(|| ControllerError::BadStartingToken(starting_token.to_owned()))?;
+        Some(issued)
     };
     let max =
         usize::try_from(max_entries).map_err(|_| invalid("max_entries must not be negative"))?;
-    Ok((start, max))
+    Ok(Page { after, max })
+}
+
+/// The entries of `page` in `all` (sorted here by `name`, the order tokens rely on), and the
+/// token of the next page (empty after the last).
+pub fn paged<'a, T>(all: &'a mut [T], name: impl Fn(&T) -> &str, page: &Page) -> (&'a [T], String) {
+    all.sort_by(|a, b| name(a).cmp(name(b)));
+    let start = page.after.as_ref().map_or(0, |after| {
+        all.partition_point(|e| name(e) <= after.as_str())
+    });
+    let rest = &all[start..];
+    let n = if page.max == 0 {
+        rest.len()
+    } else {
+        page.max.min(rest.len())
+    };
+    let next = match n.checked_sub(1).map(|last| &rest[last]) {
+        Some(last) if n < rest.len() => page_token(name(last)),
+        _ => String::new(),
+    };
+    (&rest[..n], next)
 }
 
 #[cfg(test)]
@@ -474,7 +518,7 @@ mod tests {
                 caps in prop::collection::vec(capability(), 0..3),
                 capacity in range(),
                 readonly in any::<bool>(),
-                token in prop_oneof![any::<String>(), "[0-9]{0,4}"],
+                token in prop_oneof![any::<String>(), "[0-9]{0,4}", "after:[a-z0-9.:-]{0,12}"],
                 max_entries in any::<i32>(),
             ) {
                 let create_req = csi::CreateVolumeRequest {
@@ -566,9 +610,12 @@ mod tests {
                 }
 
                 match list(&csi::ListVolumesRequest { starting_token: token.clone(), max_entries }) {
-                    Ok((start, max)) => {
-                        prop_assert!(token.is_empty() || token.parse::<usize>() == Ok(start));
-                        prop_assert!(max_entries >= 0 && usize::try_from(max_entries) == Ok(max));
+                    Ok(page) => {
+                        match &page.after {
+                            None => prop_assert!(token.is_empty()),
+                            Some(after) => prop_assert_eq!(page_token(after.as_str()), token.clone()),
+                        }
+                        prop_assert!(max_entries >= 0 && usize::try_from(max_entries) == Ok(page.max));
                     }
                     Err(e) => {
                         let code = code_of(&e);

@@ -17,8 +17,10 @@ use pillar_state::lease::{Leadership, every_round_while_leader};
 use pillar_state::store::Revision;
 
 use super::Controller;
-use super::agent::export_request;
+use super::agent::{export_request, pv_of};
+use super::condition::enforced_acl;
 use super::error::{ControllerError, agent_err, describe};
+use super::record::not_deleting;
 
 /// What one round saw of an agent, for its status.
 struct Seen {
@@ -86,8 +88,17 @@ impl Seen {
     }
 }
 
-/// How often the resync loop counts the volumes with a revoke pending.
-const REVOKING_COUNT_EVERY: Duration = Duration::from_secs(60);
+/// A volume whose `AclDisabled` follows an export being sent with the protocol's `acl`.
+pub(super) struct AclChange {
+    volume: String,
+    uid: String,
+    pv: Option<String>,
+    protocol: String,
+    acl: bool,
+}
+
+/// How often the resync loop scans every volume (revokes pending, acl edits).
+const VOLUME_SCAN_EVERY: Duration = Duration::from_secs(60);
 
 /// How many volumes' resync tokens are taken at once.
 const RESYNC_TOKENS_IN_FLIGHT: usize = 32;
@@ -131,10 +142,14 @@ impl Controller {
             .collect()
             .await;
         let mut exports = Vec::with_capacity(requests.len());
+        let mut acl_changes = Vec::new();
         for (v, request) in requests {
             // One bad record is that volume's failure alone: reported, and the rest goes on.
             match request {
-                Ok(Some(request)) => exports.push(request),
+                Ok(Some((request, change))) => {
+                    exports.push(request);
+                    acl_changes.extend(change);
+                }
                 Ok(None) => {}
                 Err(e) => {
                     tracing::warn!(agent = %name, volume = %v.spec.volume_id, error = %describe(&e), "volume left out of the resync");
@@ -156,20 +171,59 @@ impl Controller {
         for v in &response.unlisted_volume_ids {
             tracing::warn!(agent = %name, volume = %v, "the storage node exports a volume the controller has no record of; left in place");
         }
+        for change in acl_changes {
+            let restored = response
+                .results
+                .iter()
+                .any(|r| r.ok && r.volume_id == change.volume);
+            if restored {
+                self.record_acl_change(change).await;
+            }
+        }
         Ok(response)
     }
 
+    /// Records in `AclDisabled` the mode an export the agent confirmed gave a volume's target
+    /// (the protocol's `acl` changed since the condition was written). Best-effort: a failed
+    /// write leaves the condition saying the old mode, and the next publication exports again.
+    pub(super) async fn record_acl_change(&self, change: AclChange) {
+        let AclChange {
+            volume,
+            uid,
+            pv,
+            protocol,
+            acl,
+        } = change;
+        if let Err(e) = self
+            .record_enforced_acl(&volume, &uid, pv, &protocol, acl)
+            .await
+        {
+            tracing::warn!(%volume, error = %describe(&e), "AclDisabled not updated after the export");
+        }
+    }
+
     /// The export request of one volume for a resync, with a fresh token; `None` when its
-    /// lifecycle ended meanwhile.
-    async fn resync_request(
+    /// lifecycle ended meanwhile or another replica marked it deleting.
+    ///
+    /// The volume was listed before the token is taken, so "not being deleted" is checked
+    /// again inside the compare-and-swap that takes the token (W5, W8): a DeleteVolume that
+    /// marked it deleting and unexported it in between must not find it exported again. A
+    /// deleting mark written after the token bumped the generation past it, so the agent
+    /// refuses this export; it is left out all the same.
+    pub(super) async fn resync_request(
         &self,
         v: &PillarVolumeState,
-    ) -> Result<Option<agent_api::ExportRequest>, ControllerError> {
+    ) -> Result<Option<(agent_api::ExportRequest, Option<AclChange>)>, ControllerError> {
         let uid = v.metadata.uid.clone().unwrap_or_default();
         let protocol = self.protocol_of(v).await?;
-        let t = match self.next_token(&v.spec.volume_id, &uid).await {
+        let t = match self
+            .next_token_if(&v.spec.volume_id, &uid, &not_deleting)
+            .await
+        {
             Ok(t) => t,
-            Err(ControllerError::LifecycleGone { .. }) => return Ok(None),
+            Err(ControllerError::LifecycleGone { .. } | ControllerError::Deleting { .. }) => {
+                return Ok(None);
+            }
             Err(e) => return Err(e),
         };
         // The ACL read after the token was taken is the one the token vouches for.
@@ -178,10 +232,23 @@ impl Controller {
             .get_volume(&v.spec.volume_id)
             .await?
             .filter(|c| c.metadata.uid.as_deref() == Some(uid.as_str()))
+            .filter(|c| !c.status_or_default().deleting)
         else {
             return Ok(None);
         };
-        Ok(Some(export_request(&current, &protocol, t)))
+        let acl = protocol.spec.nvme_tcp.acl;
+        let status = current.status_or_default();
+        // W6: a published volume whose target was last confirmed in another mode gets its
+        // condition written once the agent confirmed this export.
+        let change = (!status.published_nodes.is_empty() && enforced_acl(&status) != Some(acl))
+            .then(|| AclChange {
+                volume: v.spec.volume_id.clone(),
+                uid: uid.clone(),
+                pv: pv_of(&current),
+                protocol: v.spec.protocol.clone(),
+                acl,
+            });
+        Ok(Some((export_request(&current, &protocol, t), change)))
     }
 
     /// Exports again, one by one, the volumes a serving agent reports it could not restore.
@@ -195,7 +262,7 @@ impl Controller {
                 if v.status_or_default().deleting || v.spec.agent != name {
                     return Ok(false);
                 }
-                let Some(request) = self.resync_request(&v).await? else {
+                let Some((request, change)) = self.resync_request(&v).await? else {
                     return Ok(false);
                 };
                 let mut client = self.agents.client(agent).await?;
@@ -203,13 +270,16 @@ impl Controller {
                     .export(request)
                     .await
                     .map_err(agent_err("Export", volume))?;
+                if let Some(change) = change {
+                    self.record_acl_change(change).await;
+                }
                 Ok::<_, ControllerError>(true)
             }
             .await;
             match result {
                 Ok(true) => tracing::info!(agent = %name, %volume, "export restored"),
                 Ok(false) => {
-                    tracing::warn!(agent = %name, %volume, "the agent could not restore an export the controller has no live record of; left to an operator")
+                    tracing::warn!(agent = %name, %volume, "the agent could not restore an export the controller has no live record of, or whose volume is being deleted; left to an operator or to the DeleteVolume")
                 }
                 Err(e) => {
                     tracing::warn!(agent = %name, %volume, error = %describe(&e), "restoring an export failed; retried on the next round")
@@ -226,7 +296,7 @@ impl Controller {
     /// One round of the resync loop; stops before the next agent once `leadership` is lost
     /// (a replica that was paused past its renew deadline acts no more).
     async fn resync_round(&self, leadership: &Leadership) {
-        self.count_revoking().await;
+        self.scan_volumes(leadership).await;
         let agents = match self.store.list_agents().await {
             Ok(a) => a,
             Err(e) => {
@@ -327,12 +397,17 @@ impl Controller {
         }
     }
 
-    /// Counts the volumes with a revoke pending, for `volumes_revoking`; at most once a minute
-    /// (it lists every volume).
-    async fn count_revoking(&self) {
+    /// At most once a minute (it lists every volume): counts the volumes with a revoke pending,
+    /// for `volumes_revoking`, and exports again with their protocol's `acl` the published
+    /// volumes whose target was confirmed in the other mode (`acl.rs`).
+    async fn scan_volumes(&self, leadership: &Leadership) {
         {
-            let mut last = self.revoking_counted.lock().await;
-            if last.is_some_and(|t| t.elapsed() < REVOKING_COUNT_EVERY) {
+            let mut last = self.volumes_scanned.lock().await;
+            // A scrape while this replica did not lead zeroed the gauge: count again now.
+            if self.metrics.take_leader_gauges_reset() {
+                *last = None;
+            }
+            if last.is_some_and(|t| t.elapsed() < VOLUME_SCAN_EVERY) {
                 return;
             }
             *last = Some(std::time::Instant::now());
@@ -349,8 +424,9 @@ impl Controller {
                     })
                     .count();
                 self.metrics.set_volumes_revoking(n);
+                self.converge_acls(&volumes, leadership).await;
             }
-            Err(e) => tracing::debug!(error = %e, "cannot count revoking volumes"),
+            Err(e) => tracing::debug!(error = %e, "cannot list the volumes to scan"),
         }
     }
 

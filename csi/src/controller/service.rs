@@ -22,14 +22,29 @@ impl ControllerService {
     }
 }
 
+/// What a call is about, for its span and for the Refused event of a refusal.
+#[derive(Clone, Copy)]
+enum Subject<'a> {
+    /// No volume (listings, capacity).
+    None,
+    /// A volume ID (a CreateSnapshot's source volume too).
+    Volume(&'a str),
+    /// A snapshot ID: its refusals are events on its source volume.
+    Snapshot(&'a str),
+}
+
 async fn respond<T>(
     controller: &Controller,
     method: &'static str,
-    volume: &str,
+    subject: Subject<'_>,
     work: impl Future<Output = Result<T, ControllerError>>,
 ) -> Result<Response<T>, Status> {
     use tracing::Instrument;
-    let span = tracing::info_span!("csi", method, volume_id = volume);
+    let span = match subject {
+        Subject::None => tracing::info_span!("csi", method),
+        Subject::Volume(volume) => tracing::info_span!("csi", method, volume_id = volume),
+        Subject::Snapshot(snapshot) => tracing::info_span!("csi", method, snapshot_id = snapshot),
+    };
     let start = std::time::Instant::now();
     let result = match work.instrument(span.clone()).await {
         Ok(v) => Ok(Response::new(v)),
@@ -41,10 +56,22 @@ async fn respond<T>(
             if status.code() == tonic::Code::FailedPrecondition
                 && !matches!(e, ControllerError::AgentMissing { .. })
             {
-                controller
-                    .warn_refused(method, volume, status.message())
-                    .instrument(span)
-                    .await;
+                let warned = async {
+                    match subject {
+                        Subject::None => {}
+                        Subject::Volume(volume) => {
+                            controller
+                                .warn_refused(method, volume, status.message())
+                                .await;
+                        }
+                        Subject::Snapshot(snapshot) => {
+                            controller
+                                .warn_snapshot_refused(method, snapshot, status.message())
+                                .await;
+                        }
+                    }
+                };
+                warned.instrument(span).await;
             }
             Err(status)
         }
@@ -76,7 +103,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "CreateVolume",
-            &r.name.clone(),
+            Subject::Volume(&r.name.clone()),
             self.inner.create_volume(r),
         )
         .await
@@ -89,7 +116,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "DeleteVolume",
-            &r.volume_id.clone(),
+            Subject::Volume(&r.volume_id.clone()),
             self.inner.delete_volume(r),
         )
         .await
@@ -102,7 +129,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "ControllerPublishVolume",
-            &r.volume_id.clone(),
+            Subject::Volume(&r.volume_id.clone()),
             self.inner.publish(r),
         )
         .await
@@ -115,7 +142,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "ControllerUnpublishVolume",
-            &r.volume_id.clone(),
+            Subject::Volume(&r.volume_id.clone()),
             self.inner.unpublish(r),
         )
         .await
@@ -128,7 +155,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "ValidateVolumeCapabilities",
-            &r.volume_id.clone(),
+            Subject::Volume(&r.volume_id.clone()),
             self.inner.validate(r),
         )
         .await
@@ -140,7 +167,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "ListVolumes",
-            "",
+            Subject::None,
             self.inner.list(r.into_inner()),
         )
         .await
@@ -152,7 +179,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "GetCapacity",
-            "",
+            Subject::None,
             self.inner.capacity(r.into_inner()),
         )
         .await
@@ -193,7 +220,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "CreateSnapshot",
-            &r.source_volume_id.clone(),
+            Subject::Volume(&r.source_volume_id.clone()),
             self.inner.create_snapshot(r),
         )
         .await
@@ -206,7 +233,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "DeleteSnapshot",
-            &r.snapshot_id.clone(),
+            Subject::Snapshot(&r.snapshot_id.clone()),
             self.inner.delete_snapshot(r),
         )
         .await
@@ -218,7 +245,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "ListSnapshots",
-            "",
+            Subject::None,
             self.inner.list_snapshots(r.into_inner()),
         )
         .await
@@ -231,7 +258,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "GetSnapshot",
-            &r.snapshot_id.clone(),
+            Subject::Snapshot(&r.snapshot_id.clone()),
             self.inner.get_snapshot(r),
         )
         .await
@@ -244,7 +271,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "ControllerExpandVolume",
-            &r.volume_id.clone(),
+            Subject::Volume(&r.volume_id.clone()),
             self.inner.expand(r),
         )
         .await
@@ -257,7 +284,7 @@ impl csi::controller_server::Controller for ControllerService {
         respond(
             &self.inner,
             "ControllerGetVolume",
-            &r.volume_id.clone(),
+            Subject::Volume(&r.volume_id.clone()),
             self.inner.get(r),
         )
         .await

@@ -8,18 +8,23 @@
 //!   for): the agent cuts only that lifecycle, so a delayed request never snapshots a volume
 //!   re-created under the same ID.
 //! - `readyToUse` is recorded only after the agent confirmed the cut; a failed call leaves the
-//!   record, which a retry of the same CreateSnapshot completes or a DeleteSnapshot removes.
+//!   record, which a retry of the same CreateSnapshot completes or a DeleteSnapshot removes. A
+//!   cut the agent refuses for good (its source lifecycle gone, in use, too large) removes the
+//!   record it left, by compare-and-swap on that record, so nothing outlives the source; a
+//!   record not ready is never listed.
 //! - DeleteSnapshot sets `deleting` in the compare-and-swap that takes its token: from then on
 //!   no restore is recorded from it, and the agent refuses one that was (its mark has ended).
 //!   The record goes only after the agent confirmed; a missing PillarAgent keeps it (C1).
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_agent_api::{ErrorReason, reason_of};
-use pillar_state::crd::{PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus};
+use pillar_state::crd::{
+    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
+};
 use pillar_state::store::{Revision, StoreError};
 
 use super::Controller;
-use super::error::{ControllerError, agent_err};
+use super::error::{ControllerError, agent_err, describe};
 use super::record::{CAS_ATTEMPTS, token};
 use super::request::{self, VolumeRef};
 use crate::agents::Client;
@@ -41,6 +46,24 @@ fn csi_snapshot(s: &PillarSnapshotState) -> csi::Snapshot {
         ready_to_use: status.ready_to_use,
         group_snapshot_id: String::new(),
     }
+}
+
+/// Whether the agent refused a cut for good, for a reason about its source that no retry of
+/// the same record can change (the source lifecycle the record names is gone or not there, in
+/// use where the pool cannot copy it at one point in time, or too large). A refusal that may
+/// mean the agent holds something it will not adopt (an unmarked snapshot: `BackendRefused`)
+/// is not: removing the record would have the agent delete it.
+fn refused_for_good(e: &ControllerError) -> bool {
+    let ControllerError::Agent { status, .. } = e else {
+        return false;
+    };
+    matches!(
+        reason_of(status),
+        ErrorReason::SourceNotLive
+            | ErrorReason::SourceInUse
+            | ErrorReason::VolumeNotFound
+            | ErrorReason::SizeOutOfRange
+    )
 }
 
 fn lock_key(id: &str) -> String {
@@ -126,12 +149,14 @@ impl Controller {
     }
 
     /// Runs `call` with a fresh token; when the agent waits for a resync, resyncs it and runs
-    /// it once more with another fresh token (the first is stale by then).
+    /// it once more with another fresh token (the first is stale by then). `used` is set to the
+    /// generation of the last token taken.
     async fn call_snapshot_agent<T, F, Fut>(
         &self,
         s: &PillarSnapshotState,
         what: &'static str,
         for_delete: bool,
+        used: &mut u64,
         mut call: F,
     ) -> Result<T, ControllerError>
     where
@@ -141,11 +166,9 @@ impl Controller {
         let name = s.spec.snapshot_id.as_str();
         let uid = s.metadata.uid.clone().unwrap_or_default();
         let client = self.snapshot_client(s).await?;
-        let first = call(
-            client.clone(),
-            self.snapshot_token(name, &uid, for_delete).await?,
-        )
-        .await;
+        let token = self.snapshot_token(name, &uid, for_delete).await?;
+        *used = token.as_ref().map_or(0, |t| t.generation);
+        let first = call(client.clone(), token).await;
         match first {
             Ok(r) => return Ok(r.into_inner()),
             Err(st) if reason_of(&st) == ErrorReason::WaitingForResync => {
@@ -165,13 +188,17 @@ impl Controller {
             }
         })?;
         self.resync_agent(&agent).await?;
-        call(client, self.snapshot_token(name, &uid, for_delete).await?)
+        let token = self.snapshot_token(name, &uid, for_delete).await?;
+        *used = token.as_ref().map_or(0, |t| t.generation);
+        call(client, token)
             .await
             .map(tonic::Response::into_inner)
             .map_err(agent_err(what, name))
     }
 
-    /// CreateSnapshot: record (F10), token, the agent's cut, then `readyToUse`.
+    /// CreateSnapshot: record (F10), token, the agent's cut, then `readyToUse`. A cut the
+    /// agent refuses for good (its source) removes the record this call left not ready
+    /// ([`Self::withdraw_refused`]).
     pub async fn create_snapshot(
         &self,
         req: csi::CreateSnapshotRequest,
@@ -193,50 +220,57 @@ impl Controller {
                 ));
             }
             Some(s) if s.status_or_default().deleting => {
-                return Err(ControllerError::SnapshotDeleting(name));
+                if s.status_or_default().ready_to_use {
+                    return Err(ControllerError::SnapshotDeleting(name));
+                }
+                // A refused cut whose removal did not finish (or a delete of a snapshot never
+                // cut): finish it, then record the snapshot anew.
+                self.remove_snapshot(&s).await?;
+                self.record_snapshot(&name, &volume).await?
             }
             Some(s) => s,
-            None => {
-                if volume.status_or_default().deleting {
-                    return Err(ControllerError::Deleting { volume: source });
-                }
-                let spec = PillarSnapshotStateSpec {
-                    snapshot_id: name.clone(),
-                    source_volume_id: source.clone(),
-                    source_uid: volume.metadata.uid.clone().unwrap_or_default(),
-                    agent: volume.spec.agent.clone(),
-                    pool: volume.spec.pool.clone(),
-                };
-                match self.store.create_snapshot(&name, spec).await {
-                    Ok(s) => s,
-                    // Another replica recorded it first: the caller retries and finds it.
-                    Err(StoreError::AlreadyExists { .. }) => {
-                        return Err(ControllerError::Contention { volume: name });
-                    }
-                    Err(e) => return Err(e.into()),
-                }
-            }
+            None => self.record_snapshot(&name, &volume).await?,
         };
         if record.status_or_default().ready_to_use {
             return Ok(csi::CreateSnapshotResponse {
                 snapshot: Some(csi_snapshot(&record)),
             });
         }
+        let mut used = 0;
         let cut = self
-            .call_snapshot_agent(&record, "CreateSnapshot", false, |mut c, token| {
-                let r = agent_api::CreateSnapshotRequest {
-                    token,
-                    snapshot_id: name.clone(),
-                    pool: record.spec.pool.clone(),
-                    source_volume_id: record.spec.source_volume_id.clone(),
-                    source_lifecycle_uid: record.spec.source_uid.clone(),
-                };
-                async move { c.create_snapshot(r).await }
-            })
-            .await?;
+            .call_snapshot_agent(
+                &record,
+                "CreateSnapshot",
+                false,
+                &mut used,
+                |mut c, token| {
+                    let r = agent_api::CreateSnapshotRequest {
+                        token,
+                        snapshot_id: name.clone(),
+                        pool: record.spec.pool.clone(),
+                        source_volume_id: record.spec.source_volume_id.clone(),
+                        source_lifecycle_uid: record.spec.source_uid.clone(),
+                    };
+                    async move { c.create_snapshot(r).await }
+                },
+            )
+            .await;
+        let cut = match cut {
+            Ok(cut) => cut,
+            Err(e) if refused_for_good(&e) => {
+                self.withdraw_refused(&record, used).await;
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         let uid = record.metadata.uid.clone().unwrap_or_default();
         let (after, ()) = self
             .update_snapshot(&name, &uid, |_, s| {
+                // A delete that started meanwhile ended the lifecycle at the agent: the cut is
+                // being removed, and the caller must not be told it is ready.
+                if s.deleting {
+                    return Err(ControllerError::SnapshotDeleting(name.clone()));
+                }
                 if !s.ready_to_use {
                     s.ready_to_use = true;
                     s.size_bytes = cut.size_bytes;
@@ -250,6 +284,88 @@ impl Controller {
         Ok(csi::CreateSnapshotResponse {
             snapshot: Some(csi_snapshot(&after)),
         })
+    }
+
+    /// A new record of snapshot `name` of `volume` (F10), naming the volume's lifecycle.
+    async fn record_snapshot(
+        &self,
+        name: &str,
+        volume: &PillarVolumeState,
+    ) -> Result<PillarSnapshotState, ControllerError> {
+        if volume.status_or_default().deleting {
+            return Err(ControllerError::Deleting {
+                volume: volume.spec.volume_id.clone(),
+            });
+        }
+        let spec = PillarSnapshotStateSpec {
+            snapshot_id: name.to_owned(),
+            source_volume_id: volume.spec.volume_id.clone(),
+            source_uid: volume.metadata.uid.clone().unwrap_or_default(),
+            agent: volume.spec.agent.clone(),
+            pool: volume.spec.pool.clone(),
+        };
+        match self.store.create_snapshot(name, spec).await {
+            Ok(s) => Ok(s),
+            // Another replica recorded it first: the caller retries and finds it.
+            Err(StoreError::AlreadyExists { .. }) => Err(ControllerError::Contention {
+                volume: name.to_owned(),
+            }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Removes the record of a CreateSnapshot the agent refused, by compare-and-swap on the
+    /// record as the refused call left it: not ready, not being deleted, and its generation the
+    /// refused call's token (otherwise another call moved it on, and it is that call's). It is
+    /// marked deleting with a new token, the agent ends the snapshot's mark (a new record of the
+    /// name then takes it over) and removes anything of it, and the record goes. Best-effort:
+    /// a removal cut short leaves the record deleting, hidden from ListSnapshots and refused
+    /// for restores; the next CreateSnapshot of the name finishes it.
+    async fn withdraw_refused(&self, record: &PillarSnapshotState, refused_generation: u64) {
+        let name = record.spec.snapshot_id.as_str();
+        let uid = record.metadata.uid.clone().unwrap_or_default();
+        let marked = self
+            .update_snapshot(name, &uid, |_, s| {
+                if s.ready_to_use || s.deleting || s.generation != refused_generation {
+                    return Ok(None);
+                }
+                s.deleting = true;
+                s.generation += 1;
+                Ok(Some(s.generation))
+            })
+            .await;
+        let generation = match marked {
+            Ok((_, Some(generation))) => generation,
+            Ok((_, None)) => {
+                tracing::info!(
+                    snapshot = name,
+                    "refused snapshot's record moved on since; left to the call that moved it"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(snapshot = name, error = %describe(&e), "refused snapshot's record not removed");
+                return;
+            }
+        };
+        let removed = async {
+            let mut c = self.snapshot_client(record).await?;
+            c.delete_snapshot(agent_api::DeleteSnapshotRequest {
+                token: token(&uid, generation),
+                snapshot_id: name.to_owned(),
+                pool: record.spec.pool.clone(),
+            })
+            .await
+            .map_err(agent_err("DeleteSnapshot", name))?;
+            self.forget_snapshot(name, &uid).await
+        }
+        .await;
+        match removed {
+            Ok(()) => tracing::info!(snapshot = name, "refused snapshot's record removed"),
+            Err(e) => {
+                tracing::warn!(snapshot = name, error = %describe(&e), "refused snapshot's record left deleting; the next CreateSnapshot of it removes it")
+            }
+        }
     }
 
     /// DeleteSnapshot: `deleting` and a token in one compare-and-swap, the agent's delete, then
@@ -266,82 +382,92 @@ impl Controller {
         let Some(record) = self.store.get_snapshot(&name).await? else {
             return Ok(csi::DeleteSnapshotResponse {});
         };
-        self.call_snapshot_agent(&record, "DeleteSnapshot", true, |mut c, token| {
+        self.remove_snapshot(&record).await?;
+        Ok(csi::DeleteSnapshotResponse {})
+    }
+
+    /// Removes a snapshot: `deleting` and a token in one compare-and-swap, the agent's delete
+    /// (it ends the mark), then the record.
+    async fn remove_snapshot(&self, record: &PillarSnapshotState) -> Result<(), ControllerError> {
+        let name = record.spec.snapshot_id.as_str();
+        let mut used = 0;
+        self.call_snapshot_agent(record, "DeleteSnapshot", true, &mut used, |mut c, token| {
             let r = agent_api::DeleteSnapshotRequest {
                 token,
-                snapshot_id: name.clone(),
+                snapshot_id: name.to_owned(),
                 pool: record.spec.pool.clone(),
             };
             async move { c.delete_snapshot(r).await }
         })
         .await?;
         let uid = record.metadata.uid.clone().unwrap_or_default();
+        self.forget_snapshot(name, &uid).await?;
+        tracing::info!(snapshot = %name, "snapshot deleted");
+        Ok(())
+    }
+
+    /// Deletes the record of lifecycle `uid` of snapshot `name`, by compare-and-swap; gone
+    /// already (or re-created as another lifecycle) is done.
+    async fn forget_snapshot(&self, name: &str, uid: &str) -> Result<(), ControllerError> {
         for _ in 0..CAS_ATTEMPTS {
             let Some(current) = self
                 .store
-                .get_snapshot(&name)
+                .get_snapshot(name)
                 .await?
-                .filter(|s| s.metadata.uid.as_deref() == Some(uid.as_str()))
+                .filter(|s| s.metadata.uid.as_deref() == Some(uid))
             else {
-                return Ok(csi::DeleteSnapshotResponse {});
+                return Ok(());
             };
             match self
                 .store
-                .delete_snapshot(&name, &Revision::of(&current)?)
+                .delete_snapshot(name, &Revision::of(&current)?)
                 .await
             {
-                Ok(()) => {
-                    tracing::info!(snapshot = %name, "snapshot deleted");
-                    return Ok(csi::DeleteSnapshotResponse {});
-                }
+                Ok(()) => return Ok(()),
                 Err(e) if e.is_conflict() => {
                     self.metrics.cas_conflict("PillarSnapshotState");
                 }
-                Err(e) if e.is_lifecycle_gone() => return Ok(csi::DeleteSnapshotResponse {}),
+                Err(e) if e.is_lifecycle_gone() => return Ok(()),
                 Err(e) => return Err(e.into()),
             }
         }
-        Err(ControllerError::Contention { volume: name })
+        Err(ControllerError::Contention {
+            volume: name.to_owned(),
+        })
     }
 
-    /// ListSnapshots: by snapshot ID, by source volume, or all, in pages; snapshots being
-    /// deleted are not listed.
+    /// ListSnapshots: by snapshot ID, by source volume, or all, in pages. Only snapshots the
+    /// agent cut are listed: a CreateSnapshot answers only once the cut is recorded, so a record
+    /// not ready is one whose cut failed (or is running right now), which no caller was given;
+    /// snapshots being deleted are not listed either.
     pub async fn list_snapshots(
         &self,
         req: csi::ListSnapshotsRequest,
     ) -> Result<csi::ListSnapshotsResponse, ControllerError> {
-        let (start, max) = request::list_snapshots(&req)?;
-        let all: Vec<PillarSnapshotState> = self
+        let page = request::list_snapshots(&req)?;
+        let mut all: Vec<PillarSnapshotState> = self
             .store
             .list_snapshots()
             .await?
             .into_iter()
-            .filter(|s| !s.status_or_default().deleting)
+            .filter(|s| {
+                let status = s.status_or_default();
+                status.ready_to_use && !status.deleting
+            })
             .filter(|s| req.snapshot_id.is_empty() || s.spec.snapshot_id == req.snapshot_id)
             .filter(|s| {
                 req.source_volume_id.is_empty() || s.spec.source_volume_id == req.source_volume_id
             })
             .collect();
-        if start > all.len() {
-            return Err(ControllerError::BadStartingToken(req.starting_token));
-        }
-        let end = if max == 0 {
-            all.len()
-        } else {
-            start.saturating_add(max).min(all.len())
-        };
+        let (entries, next_token) = request::paged(&mut all, |s| &s.spec.snapshot_id, &page);
         Ok(csi::ListSnapshotsResponse {
-            entries: all[start..end]
+            entries: entries
                 .iter()
                 .map(|s| csi::list_snapshots_response::Entry {
                     snapshot: Some(csi_snapshot(s)),
                 })
                 .collect(),
-            next_token: if end < all.len() {
-                end.to_string()
-            } else {
-                String::new()
-            },
+            next_token,
         })
     }
 

@@ -160,7 +160,7 @@ impl Engine {
                         && let Some(m) = check_mount(staging)?
                         && m.fs_type == fs_type.as_str()
                     {
-                        if m.is_readonly() != read_only {
+                        if !access_matches(&m, read_only) {
                             return Err(NodeError::StagedIncompatibly {
                                 volume: volume.to_string(),
                                 staged: access(m.is_readonly()).into(),
@@ -248,9 +248,15 @@ impl Engine {
             } else {
                 self.format(&device, fs_type, ctx)?;
             }
+            // A clone or restore staged next to its source carries the source's UUID.
+            if let Some(option) = fs_type.duplicate_uuid_option()
+                && !flags.iter().any(|f| f == option)
+            {
+                flags.push(option.to_owned());
+            }
             record.phase = StagePhase::Formatted;
             self.write_record(&record)?;
-            self.mount_staging(&device, staging, fs_type, read_only, &flags)?;
+            self.mount_staging(volume, &device, staging, fs_type, read_only, &flags)?;
         }
         // For a block volume nothing is mounted at the staging path: `Mounted` means "staged".
         record.phase = StagePhase::Mounted;
@@ -315,6 +321,7 @@ impl Engine {
     /// device's (a crash after mounting, before the record said so).
     fn mount_staging(
         &self,
+        volume: &VolumeId,
         device: &Device,
         staging: &Path,
         fs_type: FsType,
@@ -329,6 +336,15 @@ impl Engine {
                     path: staging.to_path_buf(),
                     found: format!("{}:{} ({})", entry.major, entry.minor, entry.source),
                     expected: format!("{}:{}", want.0, want.1),
+                });
+            }
+            // N5: a read-only stage never takes a read-write mount of the device for its own
+            // (nor a read-write stage a read-only one).
+            if !access_matches(&entry, readonly) {
+                return Err(NodeError::StagedIncompatibly {
+                    volume: volume.to_string(),
+                    staged: access(entry.is_readonly()).into(),
+                    requested: access(readonly).into(),
                 });
             }
             tracing::info!("already mounted at the staging path");
@@ -553,7 +569,18 @@ impl Engine {
     }
 
     /// NodeGetVolumeStats.
-    pub(crate) fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Usage, NodeError> {
+    ///
+    /// After a target restart the reservation is gone and is taken back here (W9, never
+    /// preempting), but only under the volume's lock, taken with `lock` without waiting: an
+    /// unstage releasing the reservation holds it, and a take-back racing that release would
+    /// leave this host holding the reservation of a volume it no longer uses. When another
+    /// operation holds the volume the reservation is left alone this time; kubelet asks again.
+    pub(crate) fn stats<G>(
+        &self,
+        volume: &VolumeId,
+        path: &Path,
+        lock: impl FnOnce() -> Option<G>,
+    ) -> Result<Usage, NodeError> {
         let meta = match fs::metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -574,15 +601,25 @@ impl Engine {
             });
         };
         let mut condition = self.condition(&rec);
-        // W9: after a target restart the reservation is gone; take it back (never preempting).
-        if !condition.abnormal
-            && rec.phase == StagePhase::Mounted
-            && let Some(message) = self.reassert(&rec)
-        {
-            condition = Condition {
-                abnormal: true,
-                message,
-            };
+        if !condition.abnormal && rec.phase == StagePhase::Mounted && rec.reservation {
+            match lock() {
+                None => tracing::debug!(
+                    "another operation holds the volume; its NVMe reservation is not checked this time"
+                ),
+                Some(_held) => {
+                    // Under the lock, the record as it is now: an unstage that finished in
+                    // between removed it.
+                    let now = self.read_record(volume)?;
+                    if let Some(now) = now.filter(|r| r.phase == StagePhase::Mounted)
+                        && let Some(message) = self.reassert(&now)
+                    {
+                        condition = Condition {
+                            abnormal: true,
+                            message,
+                        };
+                    }
+                }
+            }
         }
         if meta.file_type().is_block_device() {
             let total = block_device_size(path).map_err(|source| NodeError::DeviceSize {
@@ -688,6 +725,17 @@ impl Engine {
 }
 
 /// How a mount's access is named in errors.
+/// Whether a mount found at a staging path gives the access a stage asks for. A read-only
+/// stage takes only a mount that is read-only and whose filesystem is mounted read-only (so
+/// nothing writes the device through it, N5); a read-write stage only a writable one.
+fn access_matches(entry: &MountEntry, read_only: bool) -> bool {
+    if read_only {
+        entry.is_readonly() && entry.super_options.split(',').any(|o| o == "ro")
+    } else {
+        !entry.is_readonly()
+    }
+}
+
 fn access(read_only: bool) -> &'static str {
     if read_only { "read-only" } else { "read-write" }
 }

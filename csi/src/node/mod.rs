@@ -279,9 +279,13 @@ impl Node for NodeService {
         let result = async {
             let volume = request::volume_id(&req.volume_id)?;
             let path = request::published_path("volume_path", &req.volume_path)?;
-            // Read-only: no lock, so the periodic stats never make a stage wait or abort.
+            // No lock for reading, so the periodic stats never make a stage wait or abort; the
+            // reservation is taken back only if the volume's lock is free (W9).
+            let locks = Arc::clone(&self.locks);
             let u = self
-                .blocking(tracing::Span::current(), move |e| e.stats(&volume, &path))
+                .blocking(tracing::Span::current(), move |e| {
+                    e.stats(&volume, &path, || locks.try_lock(&volume).ok())
+                })
                 .await?;
             use csi::volume_usage::Unit;
             let mut out = vec![usage(

@@ -15,8 +15,10 @@
 //!   once per process at info.
 //! - After a target restart the reservation is gone (nvmet keeps none through a namespace
 //!   re-creation). The holder takes it back on NodeGetVolumeStats (kubelet calls it
-//!   periodically) and on a repeated NodeStage, both without preempting: a reservation another
-//!   host holds by then is reported as an abnormal volume condition, never taken from it.
+//!   periodically; only while no other operation holds the volume, so it never races an
+//!   unstage's release) and on a repeated NodeStage, both without preempting: a reservation
+//!   another host holds by then is reported as an abnormal volume condition, never taken from
+//!   it.
 //! - NodeUnstage: release and unregister, best effort; the publication records and the ACL stay
 //!   the durable fence.
 

@@ -9,7 +9,10 @@
 //! - A standby takes over only after the Lease record has not changed for a whole
 //!   `lease_duration` measured on its own clock from when it saw the record change (other
 //!   nodes' clocks are never compared), and only with a compare-and-swap on the record's
-//!   resourceVersion: of two standbys one wins.
+//!   resourceVersion: of two standbys one wins. It saw the change when the answer *arrived*,
+//!   as client-go stamps it: an API server may hold a GET and answer it with a renewal made
+//!   long after it was sent, and dating that renewal from the send would let the standby start
+//!   while the holder still acts.
 //! - `renew_deadline < lease_duration`: a holder stops acting before a standby may start.
 //! - On shutdown the holder releases the Lease (empty holder), so a standby takes over at once.
 //!
@@ -135,8 +138,12 @@ pub struct Elector {
     api: Api<Lease>,
     settings: LeaseSettings,
     leadership: Leadership,
-    /// The record's resourceVersion when this replica last saw it change, and when.
+    /// The record's resourceVersion when this replica last saw it change, and when (the
+    /// arrival of the answer that showed it).
     observed: Option<(String, Instant)>,
+    /// Whether this replica led when it last looked, so every loss is logged once, including
+    /// a renew deadline that passes between two attempts.
+    leading: bool,
 }
 
 impl Elector {
@@ -145,6 +152,12 @@ impl Elector {
         client: kube::Client,
         settings: LeaseSettings,
     ) -> Result<(Self, Leadership), LeaseError> {
+        if settings.identity.is_empty() {
+            // Every replica without a name would read an empty holder as its own Lease.
+            return Err(LeaseError::Settings(
+                "the identity (the Lease's holderIdentity) must not be empty",
+            ));
+        }
         if settings.renew_deadline >= settings.lease_duration {
             return Err(LeaseError::Settings(
                 "renew_deadline must be shorter than lease_duration",
@@ -163,6 +176,7 @@ impl Elector {
                 settings,
                 leadership: leadership.clone(),
                 observed: None,
+                leading: false,
             },
             leadership,
         ))
@@ -173,19 +187,13 @@ impl Elector {
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         loop {
-            let was = self.leadership.is_leader();
-            match self.try_acquire_or_renew().await {
-                Ok(true) if !was => {
-                    tracing::info!(lease = %self.settings.name, identity = %self.settings.identity, "became the leader");
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(lease = %self.settings.name, error = %crate::error_chain(&e), "lease acquire or renew failed");
-                }
+            // The renew deadline may have passed while this replica slept after a failed
+            // attempt: that is a loss too, seen here.
+            self.note_leadership();
+            if let Err(e) = self.try_acquire_or_renew().await {
+                tracing::warn!(lease = %self.settings.name, error = %crate::error_chain(&e), "lease acquire or renew failed");
             }
-            if was && !self.leadership.is_leader() {
-                tracing::warn!(lease = %self.settings.name, "lost the lease; background loops stop");
-            }
+            self.note_leadership();
             tokio::select! {
                 () = &mut shutdown => break,
                 () = tokio::time::sleep(self.settings.retry_period) => {}
@@ -196,6 +204,18 @@ impl Elector {
         }
     }
 
+    /// Logs a change of leadership since the last look: a loss as a warning (the background
+    /// loops stop), a gain as information.
+    fn note_leadership(&mut self) {
+        let now = self.leadership.is_leader();
+        if self.leading && !now {
+            tracing::warn!(lease = %self.settings.name, identity = %self.settings.identity, "lost the lease (not renewed within the renew deadline); background loops stop");
+        } else if !self.leading && now {
+            tracing::info!(lease = %self.settings.name, identity = %self.settings.identity, "became the leader");
+        }
+        self.leading = now;
+    }
+
     /// One round: create the Lease, renew it, or take it over when it expired. `Ok(true)`
     /// when this replica holds it afterwards.
     pub async fn try_acquire_or_renew(&mut self) -> Result<bool, LeaseError> {
@@ -203,6 +223,8 @@ impl Elector {
         let name = self.settings.name.clone();
         let current = self.call(self.api.get_opt(&name)).await?;
         let current = current.map_err(|e| LeaseError::Get(name.clone(), e))?;
+        // What the answer shows was true when it arrived, not when it was asked for.
+        let received = Instant::now();
         let now = MicroTime(Timestamp::now());
         // Whole seconds in the record, rounded up: a standby reading it must never wait less
         // than this replica's renew deadline.
@@ -240,7 +262,7 @@ impl Elector {
         };
         let rv = lease.metadata.resource_version.clone().unwrap_or_default();
         if self.observed.as_ref().is_none_or(|(seen, _)| *seen != rv) {
-            self.observed = Some((rv, sent));
+            self.observed = Some((rv, received));
         }
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.clone().unwrap_or_default();

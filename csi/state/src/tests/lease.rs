@@ -41,8 +41,11 @@ struct Replica {
 
 impl Replica {
     fn start(double: &ApiServerDouble, identity: &str) -> Self {
-        let (elector, leadership) =
-            Elector::new(double.controller_client().unwrap(), settings(identity)).unwrap();
+        Self::start_with(double.controller_client().unwrap(), settings(identity))
+    }
+
+    fn start_with(client: kube::Client, settings: LeaseSettings) -> Self {
+        let (elector, leadership) = Elector::new(client, settings).unwrap();
         let (tx, rx) = oneshot::channel();
         let elector = tokio::spawn(elector.run(async {
             let _ = rx.await;
@@ -219,6 +222,12 @@ async fn inconsistent_settings_are_refused() {
         Elector::new(double.controller_client().unwrap(), bad),
         Err(LeaseError::Settings(_))
     ));
+    // Issue 22 (also noticed): an empty identity would make every replica without one read an
+    // empty holder as its own Lease (client-go refuses it too).
+    assert!(matches!(
+        Elector::new(double.client().unwrap(), settings("")),
+        Err(LeaseError::Settings(_))
+    ));
     assert!(Leadership::sole().is_leader());
 }
 
@@ -285,4 +294,185 @@ async fn the_double_keeps_the_api_servers_lease_rules() {
         .await
         .unwrap();
     assert_eq!(third.spec.unwrap().holder_identity.as_deref(), Some("c"));
+}
+
+/// A client of the double through a stand-in for the network and the API server's queue: it
+/// can hold the next GET before it reaches the double (an API server slow to answer), or fail
+/// every request (a partition).
+#[derive(Clone, Default)]
+struct Proxy {
+    state: Arc<std::sync::Mutex<ProxyState>>,
+}
+
+#[derive(Default)]
+struct ProxyState {
+    /// The next GET reports here that it arrived, then waits for the release.
+    hold_next_get: Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>,
+    failing: bool,
+}
+
+impl Proxy {
+    fn client(&self, double: &ApiServerDouble) -> kube::Client {
+        let inner = double.client().unwrap();
+        let state = Arc::clone(&self.state);
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let inner = inner.clone();
+            let (held, failing) = {
+                let mut st = state.lock().unwrap();
+                let held = if req.method() == http::Method::GET {
+                    st.hold_next_get.take()
+                } else {
+                    None
+                };
+                (held, st.failing)
+            };
+            async move {
+                if let Some((arrived, release)) = held {
+                    let _ = arrived.send(());
+                    let _ = release.await;
+                }
+                if failing {
+                    return Err(kube::Error::Service(
+                        "partitioned from the API server".into(),
+                    ));
+                }
+                inner.send(req).await
+            }
+        });
+        kube::Client::new(service, NS)
+    }
+
+    /// Holds the next GET; returns (it arrived, release it).
+    fn hold_next_get(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
+        let (arrived_tx, arrived_rx) = oneshot::channel();
+        let (release_tx, release_rx) = oneshot::channel();
+        self.state.lock().unwrap().hold_next_get = Some((arrived_tx, release_rx));
+        (arrived_rx, release_tx)
+    }
+
+    fn fail_everything(&self) {
+        self.state.lock().unwrap().failing = true;
+    }
+}
+
+fn resource_version(double: &ApiServerDouble) -> Option<String> {
+    double
+        .lease(NS, NAME)
+        .and_then(|l| l["metadata"]["resourceVersion"].as_str().map(str::to_owned))
+}
+
+// Issue 22, defect 11: the API server holds the standby's GET while the leader renews, answers
+// it with that renewal, and the leader freezes right after it. The standby dates what it saw
+// from the answer's arrival (as client-go does), so it waits a whole lease duration after the
+// renewal and starts only after the frozen leader stopped acting. On the old code it dated the
+// renewal from when it sent the GET, ~0.4 s earlier, and took over while the leader still
+// counted itself leader (two replicas running the loops).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_dates_a_renewal_from_when_the_answer_arrived() {
+    // A one-second lease (the record holds whole seconds), a 0.9 s renew deadline: the window a
+    // standby must not enter is 0.1 s.
+    let tight = |identity: &str| LeaseSettings {
+        lease_duration: Duration::from_millis(1000),
+        renew_deadline: Duration::from_millis(900),
+        retry_period: Duration::from_millis(100),
+        ..LeaseSettings::new(NS, NAME, identity)
+    };
+    let double = ApiServerDouble::start().await.unwrap();
+    let a = Replica::start_with(double.client().unwrap(), tight("controller-a"));
+    assert!(eventually(Duration::from_secs(3), || a.leadership.is_leader()).await);
+    let proxy = Proxy::default();
+    let b = Replica::start_with(proxy.client(&double), tight("controller-b"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(a.leadership.is_leader() && !b.leadership.is_leader());
+
+    let (arrived, release) = proxy.hold_next_get();
+    arrived.await.unwrap();
+    // The API server sits on the GET (the scenario's length, not a synchronisation) while A
+    // renews; A freezes right after its next renewal, then the GET is answered with it.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let before = resource_version(&double);
+    assert!(
+        eventually(Duration::from_millis(300), || resource_version(&double)
+            != before)
+        .await,
+        "the leader did not renew"
+    );
+    a.elector.abort();
+    let renewed = Instant::now();
+    release.send(()).unwrap();
+    let mut a_stopped = None;
+    let mut b_started = None;
+    while renewed.elapsed() < Duration::from_secs(4) && b_started.is_none() {
+        if a_stopped.is_none() && !a.leadership.is_leader() {
+            a_stopped = Some(renewed.elapsed());
+        }
+        if b.leadership.is_leader() {
+            b_started = Some(renewed.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let b_started = b_started.expect("the standby never took over");
+    let a_stopped = a_stopped.expect("the frozen leader was still acting when the standby started");
+    assert!(
+        a_stopped < b_started,
+        "overlap: A stopped {a_stopped:?} after its last renewal, B started at {b_started:?}"
+    );
+}
+
+/// The messages of the warnings logged on this thread while the returned guard lives.
+fn capture_warnings() -> (
+    Arc<std::sync::Mutex<Vec<String>>>,
+    tracing::subscriber::DefaultGuard,
+) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    struct Capture(Arc<std::sync::Mutex<Vec<String>>>);
+    struct Message(String);
+    impl tracing::field::Visit for Message {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut m = Message(String::new());
+                event.record(&mut m);
+                self.0.lock().unwrap().push(m.0);
+            }
+        }
+    }
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Capture(Arc::clone(&seen)));
+    (seen, tracing::subscriber::set_default(subscriber))
+}
+
+// Issue 21 item 7: a leader cut off from the API server fails each renewal at once; its renew
+// deadline passes while it sleeps between two attempts, and the loss is logged (a warning)
+// all the same. On the old code the loss was noticed only when the deadline passed during an
+// attempt, so a leader whose attempts fail fast never logged it.
+#[tokio::test]
+async fn a_lease_lost_between_two_attempts_is_logged() {
+    // A current-thread runtime: the elector's task logs on this thread, into the capture.
+    let (warnings, _guard) = capture_warnings();
+    let double = ApiServerDouble::start().await.unwrap();
+    let proxy = Proxy::default();
+    let a = Replica::start_with(proxy.client(&double), settings("controller-a"));
+    assert!(eventually(Duration::from_secs(3), || a.leadership.is_leader()).await);
+    proxy.fail_everything();
+    assert!(
+        eventually(RENEW + RETRY, || !a.leadership.is_leader()).await,
+        "still the leader without renewing"
+    );
+    let lost = |w: &Vec<String>| w.iter().any(|m| m.contains("lost the lease"));
+    assert!(
+        eventually(RETRY * 3, || lost(&warnings.lock().unwrap())).await,
+        "the loss was not logged: {:?}",
+        warnings.lock().unwrap()
+    );
 }
