@@ -29,7 +29,9 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use crate::identity::NamespaceIdentity;
-use crate::model::{ExportSpec, HOSTS, HostAccess, PORTS, PortState, SUBSYSTEMS, TargetState};
+use crate::model::{
+    ExportSpec, HOSTS, HostAccess, PORTS, PortSpec, PortState, SUBSYSTEMS, TargetState,
+};
 use crate::names::{NamespaceId, PortId, SubsystemNqn};
 
 /// One primitive configfs operation. Paths are relative to the nvmet root.
@@ -313,30 +315,7 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
 
     // 4. Ports last: the subsystem becomes reachable only once fully configured.
     for (port, want) in &spec.ports {
-        let pdir = port_dir(*port);
-        match observed.ports.get(port) {
-            Some(found) if !found.matches(want) => {
-                let wanted = want.attributes().map(|(_, v)| v);
-                return Err(PlanError::PortConflict {
-                    port: *port,
-                    found: describe_port(found),
-                    wanted: format!("{}/{} {}:{}", wanted[0], wanted[1], wanted[2], wanted[3]),
-                });
-            }
-            Some(_) => {}
-            None => {
-                ops.push(Op::Mkdir { path: pdir.clone() });
-                for (attr, value) in want.attributes() {
-                    ops.push(write(pdir.join(attr), value));
-                }
-            }
-        }
-        if !linked_ports.contains(port) {
-            ops.push(Op::Symlink {
-                target: sdir.clone(),
-                link: pdir.join(SUBSYSTEMS).join(nqn),
-            });
-        }
+        push_port_link(observed, nqn, *port, Some(want), &linked_ports, &mut ops)?;
     }
     for port in &linked_ports {
         if !spec.ports.contains_key(port) {
@@ -360,6 +339,65 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         replan_after,
         live_without_reservations,
     })
+}
+
+/// Links `nqn` to `port` unless `linked` holds it; with `want`, creates the port with its
+/// attributes when it is gone, and refuses one that exists with another address (ports are
+/// shared: their attributes are written only on a port the plan creates).
+fn push_port_link(
+    observed: &TargetState,
+    nqn: &str,
+    port: PortId,
+    want: Option<&PortSpec>,
+    linked: &BTreeSet<PortId>,
+    ops: &mut Vec<Op>,
+) -> Result<(), PlanError> {
+    let pdir = port_dir(port);
+    match (observed.ports.get(&port), want) {
+        (Some(found), Some(want)) if !found.matches(want) => {
+            let wanted = want.attributes().map(|(_, v)| v);
+            return Err(PlanError::PortConflict {
+                port,
+                found: describe_port(found),
+                wanted: format!("{}/{} {}:{}", wanted[0], wanted[1], wanted[2], wanted[3]),
+            });
+        }
+        (None, Some(want)) => {
+            ops.push(Op::Mkdir { path: pdir.clone() });
+            for (attr, value) in want.attributes() {
+                ops.push(write(pdir.join(attr), value));
+            }
+        }
+        _ => {}
+    }
+    if !linked.contains(&port) {
+        ops.push(Op::Symlink {
+            target: subsys_dir(nqn),
+            link: pdir.join(SUBSYSTEMS).join(nqn),
+        });
+    }
+    Ok(())
+}
+
+/// Plans the links of the live subsystem `nqn` to each port of `ports` it is not linked to,
+/// creating a port that is gone: what a grant makes sure of, so an export a failed cut left on
+/// no port is reachable again. Links to other ports are left alone. Empty when the subsystem
+/// does not exist (only an export creates it).
+pub fn plan_links(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    ports: &BTreeMap<PortId, PortSpec>,
+) -> Result<Vec<Op>, PlanError> {
+    let name = nqn.as_str();
+    if observed.subsystem(nqn).is_none() {
+        return Ok(Vec::new());
+    }
+    let linked: BTreeSet<PortId> = observed.ports_linking(name).collect();
+    let mut ops = Vec::new();
+    for (port, want) in ports {
+        push_port_link(observed, name, *port, Some(want), &linked, &mut ops)?;
+    }
+    Ok(ops)
 }
 
 /// Plans a change of the ACL of the live subsystem `nqn` to `access`.
@@ -588,22 +626,40 @@ pub fn plan_revalidate(
     )])
 }
 
-/// Plans a cut of every live connection to `nqn`: unlink it from each port and link it back.
-/// Unlinking deletes the subsystem's controllers on that port; hosts still allowed reconnect by
-/// themselves, hosts no longer allowed are refused (removing a host from `allowed_hosts` alone
-/// leaves its live controllers working).
-pub fn plan_cut_connections(observed: &TargetState, nqn: &SubsystemNqn) -> Vec<Op> {
+/// Plans a cut of every live connection to `nqn`: unlink it from each port it is linked to, then
+/// link it back to those ports and to each port of `ports` (the ports its export belongs on),
+/// creating one that is gone. Unlinking deletes the subsystem's controllers on that port; hosts
+/// still allowed reconnect by themselves, hosts no longer allowed are refused (removing a host
+/// from `allowed_hosts` alone leaves its live controllers working). Planning the links back
+/// from `ports`, not only from the links seen now, makes a retry after a cut that failed between
+/// its unlink and its link finish the cut instead of leaving the export on no port. Empty when
+/// the subsystem does not exist.
+pub fn plan_cut_connections(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    ports: &BTreeMap<PortId, PortSpec>,
+) -> Result<Vec<Op>, PlanError> {
     let name = nqn.as_str();
-    let ports: Vec<PortId> = observed.ports_linking(name).collect();
-    let mut ops: Vec<Op> = ports
+    if observed.subsystem(nqn).is_none() {
+        return Ok(Vec::new());
+    }
+    let linked: BTreeSet<PortId> = observed.ports_linking(name).collect();
+    let mut ops: Vec<Op> = linked
         .iter()
         .map(|p| Op::Unlink {
             path: port_dir(*p).join(SUBSYSTEMS).join(name),
         })
         .collect();
-    ops.extend(ports.iter().map(|p| Op::Symlink {
-        target: subsys_dir(name),
-        link: port_dir(*p).join(SUBSYSTEMS).join(name),
-    }));
-    ops
+    let back: BTreeSet<PortId> = linked.iter().chain(ports.keys()).copied().collect();
+    for port in back {
+        push_port_link(
+            observed,
+            name,
+            port,
+            ports.get(&port),
+            &BTreeSet::new(),
+            &mut ops,
+        )?;
+    }
+    Ok(ops)
 }

@@ -775,7 +775,7 @@ fn an_acl_change_keeps_live_controllers_and_the_cut_removes_them() {
         vec![(1, h1.clone()), (1, h2.clone())],
         "dropping the allowed_hosts link deletes no controller"
     );
-    let cut = pillar_nvmet::plan_cut_connections(&f.state(), &spec.nqn);
+    let cut = pillar_nvmet::plan_cut_connections(&f.state(), &spec.nqn, &spec.ports).unwrap();
     apply(&mut f.double, &cut).unwrap();
     assert!(f.double.controllers(&nqn).unwrap().is_empty());
     assert_eq!(errno_of(f.double.host_connects(&nqn, &h1, 1)), libc::EACCES);

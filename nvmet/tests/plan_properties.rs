@@ -25,7 +25,7 @@ use common::{Fixture, export, host, only};
 use pillar_nvmet::{
     Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec,
     TargetModel, VolumeId, apply, derive_serial, observe_scope, plan_acl, plan_cut_connections,
-    plan_export, plan_unexport, verify,
+    plan_export, plan_links, plan_unexport, verify,
 };
 use proptest::prelude::*;
 
@@ -283,7 +283,10 @@ proptest! {
             model.refresh(nqn.as_str(), &observe_scope(f.double.root(), nqn.as_str()).unwrap());
             let view = model.view(nqn.as_str());
             prop_assert_eq!(plan_unexport(&view, &nqn), plan_unexport(&before, &nqn));
-            prop_assert_eq!(plan_cut_connections(&view, &nqn), plan_cut_connections(&before, &nqn));
+            for links in [BTreeMap::new(), ports(&[1, 3])] {
+                prop_assert_eq!(plan_cut_connections(&view, &nqn, &links), plan_cut_connections(&before, &nqn, &links));
+                prop_assert_eq!(plan_links(&view, &nqn, &links), plan_links(&before, &nqn, &links));
+            }
             for access in [HostAccess::AnyHost, only(&[]), only(&[0, 3])] {
                 let expected = BTreeMap::new();
                 prop_assert_eq!(

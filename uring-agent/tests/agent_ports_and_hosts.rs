@@ -1,0 +1,169 @@
+//! The entries several exports share (ports, host entries) and the port links of one export, at
+//! the agent, through the real gRPC server, once per engine: a failed cut is repaired by the next
+//! revoke or grant, and the last export to leave a shared entry removes it, whatever runs beside
+//! it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use pillar_agent_api::v1 as api;
+use pillar_nvmet::{ConfigfsDouble, Executor, Op, PortId, VolumeId, observe};
+use support::{Agent, ENGINES, MIB, create_req, export_req, host, token};
+
+fn nqn(volume: &str) -> String {
+    VolumeId::parse(volume).unwrap().subsystem_nqn().to_string()
+}
+
+fn revoke(uid: &str, generation: u64, volume: &str, h: u32) -> api::RevokeInitiatorRequest {
+    api::RevokeInitiatorRequest {
+        token: token(uid, generation),
+        volume_id: volume.into(),
+        host_nqn: host(h),
+    }
+}
+
+fn grant(uid: &str, generation: u64, volume: &str, h: u32) -> api::GrantInitiatorRequest {
+    api::GrantInitiatorRequest {
+        token: token(uid, generation),
+        volume_id: volume.into(),
+        host_nqn: host(h),
+    }
+}
+
+fn unexport(uid: &str, generation: u64, volume: &str) -> api::UnexportRequest {
+    api::UnexportRequest {
+        token: token(uid, generation),
+        volume_id: volume.into(),
+    }
+}
+
+/// The ports the subsystem of `volume` is linked to, as configfs shows them.
+fn linked_ports(a: &Agent, volume: &str) -> Vec<PortId> {
+    observe(&a.dirs.configfs())
+        .unwrap()
+        .ports_linking(&nqn(volume))
+        .collect()
+}
+
+/// Makes the next link of a subsystem to the (then empty) port 4420 fail with EADDRINUSE, as the
+/// kernel's does when the port's listener cannot bind: another nvmet port on the same address
+/// is in use. The clash is made behind the double's back (which refuses it, as the kernel
+/// would), standing in for a listener that took the address meanwhile; nothing a plan reads
+/// about port 4420 changes. [`heal_port`] removes it.
+fn break_port(a: &Agent) {
+    let mut double = ConfigfsDouble::create(a.dirs.configfs()).unwrap();
+    let other = "nqn.2024-01.io.example:other";
+    for op in [
+        Op::Mkdir {
+            path: format!("subsystems/{other}").into(),
+        },
+        Op::Mkdir {
+            path: "ports/9".into(),
+        },
+    ] {
+        double.execute(&op).unwrap();
+    }
+    for (attr, value) in [
+        ("addr_trtype", "tcp"),
+        ("addr_adrfam", "ipv4"),
+        ("addr_traddr", "127.0.0.1"),
+        ("addr_trsvcid", "4420"),
+    ] {
+        double
+            .execute(&Op::Write {
+                path: format!("ports/9/{attr}").into(),
+                value: value.into(),
+            })
+            .unwrap();
+    }
+    std::os::unix::fs::symlink(
+        format!("../../../subsystems/{other}"),
+        a.dirs
+            .configfs()
+            .join(format!("ports/9/subsystems/{other}")),
+    )
+    .unwrap();
+}
+
+fn heal_port(a: &Agent) {
+    let mut double = ConfigfsDouble::create(a.dirs.configfs()).unwrap();
+    std::fs::remove_file(
+        a.dirs
+            .configfs()
+            .join("ports/9/subsystems/nqn.2024-01.io.example:other"),
+    )
+    .unwrap();
+    for path in ["ports/9", "subsystems/nqn.2024-01.io.example:other"] {
+        double.execute(&Op::Rmdir { path: path.into() }).unwrap();
+    }
+}
+
+// proves W7 (defect: a revoke whose relink failed answered OK on retry and left the subsystem on
+// no port). The cut of a revoke unlinks the subsystem from its port and links it back; the link
+// back fails (the port cannot be enabled), and the revoke fails. On the old code the retry
+// planned its cut from the ports linking the subsystem now (none), answered OK and left the
+// volume unreachable; a later grant changed only the ACL and answered OK while the host could
+// not connect. Now the retry relinks, and so does a grant.
+#[tokio::test]
+async fn a_revoke_whose_relink_failed_is_repaired_by_its_retry_and_by_a_grant() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        let double = ConfigfsDouble::create(a.dirs.configfs()).unwrap();
+        let port = vec![PortId::new(4420)];
+        for (volume, retry_with_grant) in [("vol-rl", false), ("vol-gr", true)] {
+            let c = &mut a.client;
+            c.create_volume(create_req("u1", 1, volume, 16 * MIB))
+                .await
+                .unwrap();
+            c.export(export_req("u1", 2, volume, true, &[1, 2]))
+                .await
+                .unwrap();
+            let n = nqn(volume);
+            double.host_connects(&n, &host(2), 4420).unwrap();
+
+            break_port(&a);
+            let failed = a.client.revoke_initiator(revoke("u1", 3, volume, 1)).await;
+            assert!(failed.is_err(), "{engine:?}: the relink cannot succeed");
+            assert!(
+                linked_ports(&a, volume).is_empty(),
+                "{engine:?}: the failure modelled: the subsystem is on no port"
+            );
+            heal_port(&a);
+
+            if retry_with_grant {
+                a.client
+                    .grant_initiator(grant("u1", 4, volume, 3))
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    linked_ports(&a, volume),
+                    port,
+                    "{engine:?}: a grant leaves the subsystem on its port"
+                );
+                double.host_connects(&n, &host(3), 4420).unwrap();
+            } else {
+                a.client
+                    .revoke_initiator(revoke("u1", 3, volume, 1))
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    linked_ports(&a, volume),
+                    port,
+                    "{engine:?}: the retried revoke relinks the subsystem"
+                );
+            }
+            double.host_connects(&n, &host(2), 4420).unwrap();
+            assert_eq!(
+                double
+                    .host_connects(&n, &host(1), 4420)
+                    .unwrap_err()
+                    .raw_os_error(),
+                Some(libc::EACCES),
+                "{engine:?}: the revoked host stays out"
+            );
+            // The next round needs port 4420 to itself again.
+            a.client.unexport(unexport("u1", 5, volume)).await.unwrap();
+        }
+    }
+}
