@@ -663,3 +663,129 @@ pub fn plan_cut_connections(
     }
     Ok(ops)
 }
+
+/// The shared entries a plan lets go of: ports it unlinks the subsystem from and does not link it
+/// back to, host entries it unlinks from the subsystem's `allowed_hosts` and does not link back,
+/// each unless the plan removes it itself. A plan made while other subsystems change beside it
+/// may keep such an entry because another subsystem still used it when it looked; whoever lets
+/// go of it last must remove it ([`plan_release`], planned again once nothing else changes).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub ports: BTreeSet<PortId>,
+    pub hosts: BTreeSet<String>,
+}
+
+impl Released {
+    /// What `ops`, a plan for `nqn`, lets go of.
+    pub fn by(ops: &[Op], nqn: &SubsystemNqn) -> Self {
+        let mut out = Self::default();
+        for op in ops {
+            let parts: Vec<&str> = op.path().iter().filter_map(|c| c.to_str()).collect();
+            let port = |p: &str| PortId::parse(p).ok();
+            match (op, parts.as_slice()) {
+                (Op::Unlink { .. }, [PORTS, p, SUBSYSTEMS, s]) if *s == nqn.as_str() => {
+                    out.ports.extend(port(p));
+                }
+                (Op::Symlink { .. }, [PORTS, p, SUBSYSTEMS, s]) if *s == nqn.as_str() => {
+                    if let Some(p) = port(p) {
+                        out.ports.remove(&p);
+                    }
+                }
+                (Op::Rmdir { .. }, [PORTS, p]) => {
+                    if let Some(p) = port(p) {
+                        out.ports.remove(&p);
+                    }
+                }
+                (Op::Unlink { .. }, [SUBSYSTEMS, s, "allowed_hosts", h]) if *s == nqn.as_str() => {
+                    out.hosts.insert((*h).to_owned());
+                }
+                (Op::Symlink { .. }, [SUBSYSTEMS, s, "allowed_hosts", h]) if *s == nqn.as_str() => {
+                    out.hosts.remove(*h);
+                }
+                (Op::Rmdir { .. }, [HOSTS, h]) => {
+                    out.hosts.remove(*h);
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Whether nothing was let go of.
+    pub fn is_empty(&self) -> bool {
+        self.ports.is_empty() && self.hosts.is_empty()
+    }
+}
+
+/// Removes the entries of `released` that nothing uses in `observed`: a port no subsystem is
+/// linked to and with no referral, a host entry no subsystem's `allowed_hosts` links. Plan it
+/// while no other change runs, from a state that shows every subsystem linking a released host
+/// (the agent's exclusive target lock and `TargetModel::view_with_hosts`).
+pub fn plan_release(observed: &TargetState, released: &Released) -> Vec<Op> {
+    let mut ops = Vec::new();
+    for port in &released.ports {
+        if let Some(p) = observed.ports.get(port)
+            && p.subsystems.is_empty()
+            && p.referrals == 0
+        {
+            ops.push(Op::Rmdir {
+                path: port_dir(*port),
+            });
+        }
+    }
+    for host in &released.hosts {
+        let used = observed
+            .subsystems
+            .values()
+            .any(|s| s.allowed_hosts.contains(host));
+        if observed.hosts.contains(host) && !used {
+            ops.push(Op::Rmdir {
+                path: Path::new(HOSTS).join(host),
+            });
+        }
+    }
+    ops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nqn() -> SubsystemNqn {
+        crate::VolumeId::parse("v1").unwrap().subsystem_nqn()
+    }
+
+    #[test]
+    fn released_is_what_a_plan_unlinks_and_neither_links_back_nor_removes() {
+        let n = nqn();
+        let link = |port: &str| PathBuf::from(format!("ports/{port}/subsystems/{n}"));
+        let host = |h: &str| PathBuf::from(format!("subsystems/{n}/allowed_hosts/{h}"));
+        let ops = vec![
+            // A cut: unlinked and linked back, nothing let go of.
+            Op::Unlink { path: link("1") },
+            Op::Symlink {
+                target: subsys_dir(n.as_str()),
+                link: link("1"),
+            },
+            // Unlinked and removed by the plan itself.
+            Op::Unlink { path: link("2") },
+            Op::Rmdir {
+                path: "ports/2".into(),
+            },
+            Op::Unlink { path: link("3") },
+            Op::Unlink { path: host("h1") },
+            Op::Unlink { path: host("h2") },
+            Op::Rmdir {
+                path: "hosts/h2".into(),
+            },
+            // Another subsystem's link is not this plan's.
+            Op::Unlink {
+                path: "ports/4/subsystems/other".into(),
+            },
+        ];
+        let released = Released::by(&ops, &n);
+        assert_eq!(released.ports, [PortId::new(3)].into_iter().collect());
+        assert_eq!(released.hosts, ["h1".to_owned()].into_iter().collect());
+        assert!(Released::by(&ops[..2], &n).is_empty());
+    }
+}

@@ -23,9 +23,9 @@ use std::path::PathBuf;
 
 use common::{Fixture, export, host, only};
 use pillar_nvmet::{
-    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec,
+    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec, Released,
     TargetModel, VolumeId, apply, derive_serial, observe_scope, plan_acl, plan_cut_connections,
-    plan_export, plan_links, plan_unexport, verify,
+    plan_export, plan_links, plan_release, plan_unexport, verify,
 };
 use proptest::prelude::*;
 
@@ -283,6 +283,15 @@ proptest! {
             model.refresh(nqn.as_str(), &observe_scope(f.double.root(), nqn.as_str()).unwrap());
             let view = model.view(nqn.as_str());
             prop_assert_eq!(plan_unexport(&view, &nqn), plan_unexport(&before, &nqn));
+            // Whether a released port or host entry is still used: the same answer.
+            let released = Released {
+                ports: before.ports.keys().copied().collect(),
+                hosts: before.hosts.clone(),
+            };
+            prop_assert_eq!(
+                plan_release(&model.view_with_hosts(nqn.as_str(), &released.hosts), &released),
+                plan_release(&before, &released)
+            );
             for links in [BTreeMap::new(), ports(&[1, 3])] {
                 prop_assert_eq!(plan_cut_connections(&view, &nqn, &links), plan_cut_connections(&before, &nqn, &links));
                 prop_assert_eq!(plan_links(&view, &nqn, &links), plan_links(&before, &nqn, &links));

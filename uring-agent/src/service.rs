@@ -34,7 +34,7 @@ use pillar_nvmet::{
     SubsystemNqn, VolumeId, plan_acl, plan_cut_connections, plan_export, plan_links,
     plan_revalidate, plan_unexport, verify, verify_acl, verify_links, volume_export,
 };
-use pillar_nvmet::{Op, TargetState};
+use pillar_nvmet::{Op, Released, TargetState};
 use tokio::sync::RwLock;
 
 use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
@@ -578,11 +578,15 @@ impl Agent {
         if !live_without_reservations.is_empty() {
             tracing::info!(%volume, nsids = ?live_without_reservations, "namespace enabled without NVMe reservations keeps running without them (resv_enable cannot be written while enabled)");
         }
-        self.target.apply(&guard, strip(ops)).await?;
+        let ops = strip(ops);
+        let released = released_under(&guard, &ops, &nqn);
+        self.target.apply(&guard, ops).await?;
         let after = self.target.read_back(&guard, nqn.as_str()).await?;
         if !self.settings.kernel_random_identity {
             verify(&after, &plan.effective)?;
         }
+        drop(guard);
+        self.target.release(nqn.as_str(), &released, &after).await?;
         tracing::info!(%volume, nqn = %spec.nqn, adopted, "exported");
         Ok(Exported {
             nqn: spec.nqn,
@@ -612,8 +616,10 @@ impl Agent {
                 |ops| ops,
             )
             .await?;
+        let released = released_under(&guard, &ops, &nqn);
         self.target.apply(&guard, ops).await?;
-        if self.target.subsystem_exists(&guard, nqn.as_str()).await? {
+        let after = self.target.read_back(&guard, nqn.as_str()).await?;
+        if after.subsystems.contains_key(nqn.as_str()) {
             return Err(AgentError::Verify(pillar_nvmet::VerifyError {
                 nqn: nqn.to_string(),
                 mismatches: vec![pillar_nvmet::Mismatch {
@@ -623,6 +629,8 @@ impl Agent {
                 }],
             }));
         }
+        drop(guard);
+        self.target.release(nqn.as_str(), &released, &after).await?;
         self.target.forget_identity(volume).await?;
         self.export_ports_map().remove(volume);
         self.unrestored_set().remove(volume);
@@ -699,6 +707,7 @@ impl Agent {
         // The ACL first; a revoke that leaves nobody admitted ends it with the namespace
         // disabled: the kernel returns from that write only once every command in flight on it
         // has completed; then the cut.
+        let released = released_under(&guard, &ops, &nqn);
         self.target.apply(&guard, ops).await?;
         let after = self.target.read_back(&guard, nqn.as_str()).await?;
         if let Some(access) = &access {
@@ -707,6 +716,8 @@ impl Agent {
         if !acl_only {
             verify_links(&after, &nqn, &ports)?;
         }
+        drop(guard);
+        self.target.release(nqn.as_str(), &released, &after).await?;
         tracing::info!(%volume, %host, ?intent, "ACL changed");
         Ok(())
     }
@@ -941,6 +952,18 @@ impl Agent {
     /// Capacity of a pool.
     pub async fn capacity(&self, pool: &str) -> Result<Capacity, AgentError> {
         Ok(self.pool(pool)?.capacity().await?)
+    }
+}
+
+/// The shared entries `ops` lets go of ([`Released::by`]) when it runs under the shared lock:
+/// it may have kept one that another subsystem, changing beside it, was letting go of too. A
+/// plan made under the exclusive lock saw every other subsystem as it stays, and removed what
+/// nobody else uses.
+fn released_under(guard: &TargetGuard<'_>, ops: &[Op], nqn: &SubsystemNqn) -> Released {
+    if guard.is_exclusive() {
+        Released::default()
+    } else {
+        Released::by(ops, nqn)
     }
 }
 

@@ -6,6 +6,10 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use pillar_agent::hooks::HookPoint;
 use pillar_agent_api::v1 as api;
 use pillar_nvmet::{ConfigfsDouble, Executor, Op, PortId, VolumeId, observe};
 use support::{Agent, ENGINES, MIB, create_req, export_req, host, token};
@@ -165,5 +169,86 @@ async fn a_revoke_whose_relink_failed_is_repaired_by_its_retry_and_by_a_grant() 
             // The next round needs port 4420 to itself again.
             a.client.unexport(unexport("u1", 5, volume)).await.unwrap();
         }
+    }
+}
+
+async fn wait_reached(gate: &Arc<pillar_agent::hooks::Gate>, n: usize) {
+    let gate = Arc::clone(gate);
+    let reached =
+        tokio::task::spawn_blocking(move || gate.wait_reached(n, Duration::from_secs(20)))
+            .await
+            .unwrap();
+    assert!(reached, "{n} requests never reached the hook together");
+}
+
+/// Runs `calls` at once, each held inside its configfs apply until all of them planned (their
+/// plans made under the shared target lock, each seeing the others' entries still in place).
+async fn together<F>(a: &Agent, calls: Vec<F>)
+where
+    F: std::future::Future<Output = Result<(), tonic::Status>> + Send + 'static,
+{
+    let gate = a.hooks.stall(HookPoint::ConfigfsApply);
+    let n = calls.len();
+    let tasks: Vec<_> = calls.into_iter().map(tokio::spawn).collect();
+    wait_reached(&gate, n).await;
+    gate.release();
+    a.hooks.clear(HookPoint::ConfigfsApply);
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+}
+
+// proves that shared entries go with their last user (defect: two volumes that were a port's
+// last users, unexported at once, each saw the other still linked and the empty port stayed; two
+// revokes of one host from two volumes at once each saw the other's link and the host entry
+// stayed). Both requests plan under the shared target lock before either applies; the last one
+// out must remove the entry. On the old code port 4420 and the host entry were left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_of_concurrent_users_removes_a_shared_port_or_host_entry() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        for volume in ["vol-a", "vol-b"] {
+            a.client
+                .create_volume(create_req("u1", 1, volume, 16 * MIB))
+                .await
+                .unwrap();
+            a.client
+                .export(export_req("u1", 2, volume, true, &[1, 2]))
+                .await
+                .unwrap();
+        }
+        let configfs = a.dirs.configfs();
+        let hosts = || observe(&configfs).unwrap().hosts;
+
+        let calls = ["vol-a", "vol-b"]
+            .map(|volume| {
+                let mut c = a.client.clone();
+                async move {
+                    c.revoke_initiator(revoke("u1", 3, volume, 1))
+                        .await
+                        .map(drop)
+                }
+            })
+            .into();
+        together(&a, calls).await;
+        assert_eq!(
+            hosts().into_iter().collect::<Vec<_>>(),
+            vec![host(2)],
+            "{engine:?}: the host entry revoked from both volumes at once is gone"
+        );
+
+        let calls = ["vol-a", "vol-b"]
+            .map(|volume| {
+                let mut c = a.client.clone();
+                async move { c.unexport(unexport("u1", 4, volume)).await.map(drop) }
+            })
+            .into();
+        together(&a, calls).await;
+        let state = observe(&a.dirs.configfs()).unwrap();
+        assert!(
+            state.ports.is_empty() && state.hosts.is_empty() && state.subsystems.is_empty(),
+            "{engine:?}: the volumes unexported at once left {state:?}"
+        );
     }
 }
