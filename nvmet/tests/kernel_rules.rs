@@ -506,6 +506,31 @@ fn double_refuses_serial_and_model_changes_after_a_host_identified() {
     );
 }
 
+// proves the double is faithful to K (serial frozen by Identify): the kernel keeps "a host
+// identified this subsystem" in the subsystem itself (`subsys_discovered`), so it goes with the
+// subsystem's rmdir; a subsystem made again under the same name takes a serial and a model.
+// On the old double the marker outlived the subsystem and the write was refused (EINVAL).
+#[test]
+fn a_subsystem_made_again_after_its_removal_takes_a_serial_again() {
+    let mut f = Fixture::new();
+    let nqn = "nqn.2026-11.io.pillar-csi:vol:v1";
+    f.double.execute(&mkdir(S)).unwrap();
+    f.double.host_identifies(nqn).unwrap();
+    assert_eq!(
+        errno_of(f.double.execute(&write(&format!("{S}/attr_serial"), "abc"))),
+        libc::EINVAL
+    );
+    f.double.execute(&Op::Rmdir { path: S.into() }).unwrap();
+    f.double.execute(&mkdir(S)).unwrap();
+    f.double
+        .execute(&write(&format!("{S}/attr_serial"), "abc"))
+        .unwrap();
+    f.double
+        .execute(&write(&format!("{S}/attr_model"), "pillar"))
+        .unwrap();
+    assert_eq!(f.state().subsystems[nqn].serial, "abc");
+}
+
 // proves I1 (serial half)
 #[test]
 fn planner_sets_serial_before_the_first_port_link_and_adopts_a_live_one() {
