@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent::backend::{
-    Backend, BackendError, CommandError, CommandRunner, ContentSource, LvmBackend, MIB, PoolConfig,
-    PoolKind, Reply, ScriptedRunner,
+    Backend, BackendError, CommandError, CommandRunner, ContentSource, CopyInto, CopyPolicy,
+    LvmBackend, MIB, PoolConfig, PoolKind, Reply, ScriptedRunner,
 };
 use pillar_nvmet::VolumeId;
 
@@ -708,7 +708,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
         );
     let info = f
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap();
     assert_eq!(info.size_bytes, 1 << 30);
@@ -717,7 +717,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
         info.created,
         std::time::UNIX_EPOCH + Duration::from_secs(created)
     );
-    assert!(f.backend.snapshots_are_point_in_time().await.unwrap());
+    assert!(f.backend.copies_at_once(CopyInto::Snapshot).await.unwrap());
     f.done();
 
     // Again: found, nothing run.
@@ -735,7 +735,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
     );
     let again = f
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap();
     assert_eq!((again.created, again.method), (info.created, None));
@@ -774,7 +774,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
     let linear = Fixture::linear();
     let err = linear
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap_err();
     assert!(
@@ -782,7 +782,13 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
         "{err}"
     );
     assert!(err.to_string().contains("copy-on-write"), "{err}");
-    assert!(linear.backend.snapshots_are_point_in_time().await.is_err());
+    assert!(
+        linear
+            .backend
+            .copies_at_once(CopyInto::Snapshot)
+            .await
+            .is_err()
+    );
 }
 
 // Issue 12 item 2: a restore is a thin snapshot of the snapshot, activation skip off, tagged as
@@ -805,6 +811,7 @@ async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
             &vol("pvc-small"),
             4 * MIB,
             &ContentSource::Snapshot(vol("snap-1")),
+            CopyPolicy::AtOnce,
         )
         .await
         .unwrap_err();
@@ -848,6 +855,7 @@ async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
             &vol("pvc-r"),
             16 * MIB,
             &ContentSource::Snapshot(vol("snap-1")),
+            CopyPolicy::AtOnce,
         )
         .await
         .unwrap();
@@ -886,7 +894,12 @@ async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
             )),
         );
     f.backend
-        .create_from(&vol("pvc-c"), 8 * MIB, &ContentSource::Volume(vol("pvc-1")))
+        .create_from(
+            &vol("pvc-c"),
+            8 * MIB,
+            &ContentSource::Volume(vol("pvc-1")),
+            CopyPolicy::AtOnce,
+        )
         .await
         .unwrap();
 }
