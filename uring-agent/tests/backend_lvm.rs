@@ -903,3 +903,97 @@ async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
         .await
         .unwrap();
 }
+
+// Defect (issue 22 item 5): a thin restore interrupted between its lvcreate and its lvextend (the
+// thin pool full, a timeout, the agent killed) left the LV at the snapshot's size, and every
+// retry answered SizeMismatch (ALREADY_EXISTS) for ever. The retry finishes the restore: it finds
+// the LV (pillar's, at the source's size, smaller than asked) and grows it, as ZFS does. A retry
+// asking less than the LV holds is still a mismatch. On the old code the retry listed the LVs a
+// second time and answered SizeMismatch.
+#[tokio::test]
+async fn a_thin_restore_interrupted_before_its_lvextend_is_grown_by_its_retry() {
+    let f = Fixture::thin();
+    let (volume, source) = (vol("pvc-r"), ContentSource::Snapshot(vol("snap-1")));
+    let restore = || {
+        f.backend
+            .create_from(&volume, 16 * MIB, &source, CopyPolicy::AtOnce)
+    };
+    f.expect(&vgs_args(), ok(vg_report(4 * MIB)))
+        .expect(&lvs_args(), ok(report("lv", &[thin_pool_row()])))
+        .expect(
+            &snapshot_lvs_args(),
+            ok(report(
+                "lv",
+                &[snapshot_row("snap+snap-1", 8 * MIB, "pillar-snapshot", 1)],
+            )),
+        )
+        .expect(
+            &[
+                "lvcreate",
+                "--snapshot",
+                "-n",
+                "pvc-r",
+                "--addtag",
+                "pillar",
+                "--setactivationskip",
+                "n",
+                "--yes",
+                "vg0/snap+snap-1",
+            ],
+            ok(String::new()),
+        )
+        .expect(
+            &["lvextend", "-L", "16777216b", "vg0/pvc-r"],
+            Reply::Fail {
+                code: 5,
+                stderr: "  Insufficient free space: 2 extents needed, but only 0 available\n"
+                    .to_owned(),
+            },
+        );
+    let err = restore().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BackendError::Command {
+                step: "lvextend",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    f.done();
+
+    // The retry: the LV is there at the snapshot's size; it is grown, nothing else runs.
+    let interrupted = || {
+        ok(report(
+            "lv",
+            &[thin_pool_row(), thin("pvc-r", 8 * MIB, "pillar")],
+        ))
+    };
+    f.expect(&lvs_args(), interrupted()).expect(
+        &["lvextend", "-L", "16777216b", "vg0/pvc-r"],
+        ok(String::new()),
+    );
+    let info = restore().await.unwrap();
+    assert_eq!(info.size_bytes, 16 * MIB);
+    f.done();
+
+    // Asked smaller than it is: still a mismatch, nothing changed.
+    f.expect(&lvs_args(), interrupted())
+        .expect(&lvs_args(), interrupted());
+    let err = f
+        .backend
+        .create_from(
+            &vol("pvc-r"),
+            4 * MIB,
+            &ContentSource::Snapshot(vol("snap-1")),
+            CopyPolicy::AtOnce,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::SizeMismatch { existing, requested, .. }
+            if existing == 8 * MIB && requested == 4 * MIB),
+        "{err:?}"
+    );
+}
