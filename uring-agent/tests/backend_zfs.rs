@@ -693,3 +693,85 @@ async fn a_clone_smaller_than_its_source_cuts_nothing() {
         "{err:?}"
     );
 }
+
+// Defect (issue 22 item 6): a clone whose `zfs clone` failed after its hidden origin was cut left
+// that origin behind, and the retry (or a new lifecycle of the same volume ID, much later)
+// cloned from it: the new volume held the source as it was at the failed attempt. An origin no
+// clone was made from is destroyed and cut anew, so the clone holds the source as it is when the
+// clone is made. On the old code the retry went straight to `zfs clone` of the stale origin.
+#[tokio::test]
+async fn a_clone_retry_cuts_its_hidden_origin_anew() {
+    let f = Fixture::new();
+    let from = pillar_agent::backend::ContentSource::Volume(vol("pvc-1"));
+    let origin = "tank/pillar/pvc-1@clone:pvc-3";
+    let cut = [
+        "snapshot",
+        "-o",
+        "io.pillar-csi:owner=pillar-clone-origin",
+        origin,
+    ];
+    let clone = [
+        "clone",
+        "-o",
+        "volmode=dev",
+        "-o",
+        "io.pillar-csi:owner=pillar",
+        origin,
+        "tank/pillar/pvc-3",
+    ];
+    f.expect(&LIST, ok(PVC1))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(""))
+        .expect(&cut, ok(""))
+        .expect(
+            &clone,
+            Reply::Fail {
+                code: 1,
+                stderr: "cannot create 'tank/pillar/pvc-3': out of space".into(),
+            },
+        );
+    let err = f
+        .backend
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BackendError::Command {
+                step: "zfs clone",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    f.done();
+
+    // The retry: the origin of the failed attempt, cloned by nothing, goes; a new one is cut.
+    let stale = snap_row(origin, false, "-", "pillar-clone-origin");
+    let cloned = snap_row(origin, false, "tank/pillar/pvc-3", "pillar-clone-origin");
+    f.expect(&LIST, ok(PVC1))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(&stale))
+        .expect(&["destroy", origin], ok(""))
+        .expect(&cut, ok(""))
+        .expect(&clone, ok(""))
+        .expect(&SNAPS, ok(&cloned))
+        .expect(&["destroy", "-d", origin], ok(""));
+    f.backend
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
+        .await
+        .unwrap();
+    f.done();
+
+    // A snapshot of that name that is not pillar's hidden origin is never destroyed.
+    f.expect(&LIST, ok(PVC1))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(&snap_row(origin, false, "-", "-")));
+    let err = f
+        .backend
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, BackendError::NotOwned { .. }), "{err:?}");
+}
