@@ -5,7 +5,8 @@
 //! submit it to io_uring in batches. Every plan obeys the kernel's rules (`docs/rules.md` K2-K16):
 //! - identity (`attr_serial`, `device_uuid`, `device_nguid`) and `device_path` are written before
 //!   a namespace is enabled, and before the subsystem is first linked to a port;
-//! - the identity of an enabled namespace and the serial of a port-linked subsystem are never
+//! - the identity of an enabled namespace and the serial of a subsystem a host may have
+//!   identified (any but one exactly as its mkdir left it: `serial_may_be_frozen`) are never
 //!   rewritten: a live export with other identity is adopted, and the plan says so;
 //! - port attributes are written only on a port the plan creates (ports are shared);
 //! - ACL mode changes in the legal order: `allow_any_host=0` before linking hosts, hosts unlinked
@@ -30,7 +31,8 @@ use std::path::{Path, PathBuf};
 
 use crate::identity::NamespaceIdentity;
 use crate::model::{
-    ExportSpec, HOSTS, HostAccess, PORTS, PortSpec, PortState, SUBSYSTEMS, TargetState,
+    ExportSpec, HOSTS, HostAccess, PORTS, PortSpec, PortState, SUBSYSTEMS, SubsystemState,
+    TargetState,
 };
 use crate::names::{NamespaceId, PortId, SubsystemNqn};
 
@@ -94,7 +96,8 @@ pub enum Adoption {
         live: NamespaceIdentity,
         desired: NamespaceIdentity,
     },
-    /// A port-linked subsystem shows another serial: kept (hosts may have discovered it).
+    /// A subsystem a host may have identified shows another serial: kept (the kernel refuses a
+    /// new one after Identify).
     Serial { live: String, desired: String },
 }
 
@@ -200,7 +203,7 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         ops.push(Op::Mkdir { path: sdir.clone() });
     }
     if current.serial != spec.serial.as_str() {
-        if existing.is_some() && !linked_ports.is_empty() {
+        if existing.is_some_and(|sub| serial_may_be_frozen(sub, &linked_ports)) {
             adoptions.push(Adoption::Serial {
                 live: current.serial.clone(),
                 desired: spec.serial.to_string(),
@@ -339,6 +342,22 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         replan_after,
         live_without_reservations,
     })
+}
+
+/// Whether a host may have identified the subsystem `sub`, so that the kernel refuses a new
+/// serial (K: `attr_serial` after Identify is EINVAL, until the subsystem is removed). configfs
+/// shows neither the identification nor a port link that is gone: a subsystem linked once and
+/// unlinked since (an unexport interrupted after its first step, a cut whose link back failed)
+/// looks like one never linked. pillar writes the serial right after the subsystem's mkdir,
+/// before anything else, so only a subsystem as its mkdir left it (no namespace, no host, no
+/// `allow_any_host`, no port link: the state a crash between the mkdir and the serial write
+/// leaves) is certainly unseen; the serial of any other is kept (adopted, and recorded by the
+/// agent with the rest of the identity, I4).
+fn serial_may_be_frozen(sub: &SubsystemState, linked: &BTreeSet<PortId>) -> bool {
+    !linked.is_empty()
+        || sub.allow_any_host
+        || !sub.allowed_hosts.is_empty()
+        || !sub.namespaces.is_empty()
 }
 
 /// Links `nqn` to `port` unless `linked` holds it; with `want`, creates the port with its

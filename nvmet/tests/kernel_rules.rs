@@ -118,13 +118,22 @@ fn planner_sets_identity_before_enable_and_never_rewrites_a_live_one() {
         nguid: live.nguid.unwrap(),
     };
     assert!(live_id.nguid.is_zero(), "the kernel leaves NGUID zero");
+    // So is the kernel's random serial: the subsystem is unlinked now, but one with a namespace
+    // may have been linked and identified before (K: a serial is frozen after Identify).
+    let live_serial = f.state().subsystems[&spec.nqn.to_string()].serial.clone();
     assert_eq!(
         plan.adoptions,
-        vec![Adoption::Namespace {
-            nsid: NamespaceId::VOLUME,
-            live: live_id,
-            desired: spec.namespaces[&NamespaceId::VOLUME].identity
-        }]
+        vec![
+            Adoption::Serial {
+                live: live_serial,
+                desired: spec.serial.to_string()
+            },
+            Adoption::Namespace {
+                nsid: NamespaceId::VOLUME,
+                live: live_id,
+                desired: spec.namespaces[&NamespaceId::VOLUME].identity
+            }
+        ]
     );
     apply(&mut f.double, &plan.ops).unwrap();
     verify(&f.state(), &plan.effective).unwrap();
@@ -159,13 +168,20 @@ fn planner_adopts_a_live_foreign_identity() {
         uuid: foreign_uuid.parse().unwrap(),
         nguid: foreign_uuid.parse().unwrap(),
     };
+    let live_serial = f.state().subsystems[&spec.nqn.to_string()].serial.clone();
     assert_eq!(
         plan.adoptions,
-        vec![Adoption::Namespace {
-            nsid: NamespaceId::VOLUME,
-            live,
-            desired: spec.namespaces[&NamespaceId::VOLUME].identity
-        }]
+        vec![
+            Adoption::Serial {
+                live: live_serial,
+                desired: spec.serial.to_string()
+            },
+            Adoption::Namespace {
+                nsid: NamespaceId::VOLUME,
+                live,
+                desired: spec.namespaces[&NamespaceId::VOLUME].identity
+            }
+        ]
     );
     assert_eq!(
         plan.effective.namespaces[&NamespaceId::VOLUME].identity,

@@ -252,3 +252,93 @@ async fn the_last_of_concurrent_users_removes_a_shared_port_or_host_entry() {
         );
     }
 }
+
+// proves I3 (serial half) at the agent (issue 24 item 6, K5: a serial a host identified is
+// frozen). A subsystem of the volume shows a serial that is not the derived one (a kernel-random
+// serial an older writer left), a host identified it while it was linked, and its port link is
+// gone (an interrupted unexport, a failed cut), with no identity record of it (a lost state
+// directory). Configfs does not show the identification; the export must keep the serial, not
+// write the derived one (which the kernel refuses, EINVAL), and record what it kept. On the old
+// code the export planned the serial write and failed.
+#[tokio::test]
+async fn an_export_keeps_a_serial_a_host_identified_after_its_links_are_gone() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        a.client
+            .create_volume(create_req("u1", 1, "vol-k5", 16 * MIB))
+            .await
+            .unwrap();
+        let device = a
+            .client
+            .list_volumes(api::ListVolumesRequest { pool: "p1".into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .volumes
+            .into_iter()
+            .find(|v| v.volume_id == "vol-k5")
+            .unwrap()
+            .device_path;
+        let n = nqn("vol-k5");
+        let s = format!("subsystems/{n}");
+        let mut double = ConfigfsDouble::create(a.dirs.configfs()).unwrap();
+        let write = |path: String, value: &str| Op::Write {
+            path: path.into(),
+            value: value.into(),
+        };
+        let mut ops = vec![
+            Op::Mkdir {
+                path: s.clone().into(),
+            },
+            write(format!("{s}/attr_allow_any_host"), "1"),
+            Op::Mkdir {
+                path: format!("{s}/namespaces/1").into(),
+            },
+            write(format!("{s}/namespaces/1/device_path"), &device),
+            write(format!("{s}/namespaces/1/enable"), "1"),
+            Op::Mkdir {
+                path: "ports/4420".into(),
+            },
+        ];
+        for (attr, value) in [
+            ("addr_trtype", "tcp"),
+            ("addr_adrfam", "ipv4"),
+            ("addr_traddr", "127.0.0.1"),
+            ("addr_trsvcid", "4420"),
+        ] {
+            ops.push(write(format!("ports/4420/{attr}"), value));
+        }
+        ops.push(Op::Symlink {
+            target: s.clone().into(),
+            link: format!("ports/4420/subsystems/{n}").into(),
+        });
+        pillar_nvmet::apply(&mut double, &ops).unwrap();
+        double.host_connects(&n, &host(7), 4420).unwrap();
+        double
+            .execute(&Op::Unlink {
+                path: format!("ports/4420/subsystems/{n}").into(),
+            })
+            .unwrap();
+        let seen = observe(&a.dirs.configfs()).unwrap().subsystems[&n]
+            .serial
+            .clone();
+
+        let exported = a
+            .client
+            .export(export_req("u1", 2, "vol-k5", true, &[1]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(exported.identity_adopted, "{engine:?}");
+        assert_eq!(
+            observe(&a.dirs.configfs()).unwrap().subsystems[&n].serial,
+            seen,
+            "{engine:?}: the serial the host saw is kept"
+        );
+        assert_eq!(linked_ports(&a, "vol-k5"), vec![PortId::new(4420)]);
+        let record =
+            std::fs::read_to_string(a.dirs.state().join("nvmet-identity/vol-k5.json")).unwrap();
+        assert!(record.contains(&seen), "{engine:?}: recorded: {record}");
+    }
+}
