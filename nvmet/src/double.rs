@@ -10,7 +10,8 @@
 //! - a port's `addr_*` while any subsystem is linked to it: EACCES;
 //! - linking into `allowed_hosts` while `attr_allow_any_host=1`, or setting it to 1 while hosts
 //!   are linked: EINVAL;
-//! - `attr_serial` / `attr_model` after a host identified the subsystem: EINVAL;
+//! - `attr_serial` / `attr_model` after a host identified the subsystem: EINVAL (until the
+//!   subsystem is removed: a subsystem made again under its name takes them);
 //! - `enable` without `device_path`: EINVAL, with a missing device: ENOENT;
 //! - `revalidate_size` on a disabled namespace: EINVAL;
 //! - rmdir of a link target: EBUSY; of an item with child items or links: ENOTEMPTY; of a
@@ -37,7 +38,8 @@ use crate::names::DISCOVERY_NQN;
 use crate::plan::Op;
 
 /// Where the double keeps state the real kernel keeps in memory (which subsystems a host has
-/// identified). Outside the three nvmet directories, so readers never see it.
+/// identified, until the subsystem is removed). Outside the three nvmet directories, so readers
+/// never see it.
 const PRIVATE_DIR: &str = ".double";
 
 /// Under [`PRIVATE_DIR`]: the record of applied operations, present only while recording. On
@@ -223,10 +225,7 @@ impl ConfigfsDouble {
         if !self.root.join(SUBSYSTEMS).join(nqn).is_dir() {
             return Err(errno(libc::ENOENT));
         }
-        fs::write(
-            self.root.join(PRIVATE_DIR).join("discovered").join(nqn),
-            b"",
-        )
+        fs::write(self.discovered_marker(nqn), b"")
     }
 
     /// Starts recording the operations applied to this tree (by any handle on it), dropping
@@ -308,12 +307,12 @@ impl ConfigfsDouble {
         self.root.join(PRIVATE_DIR).join(CONTROLLERS)
     }
 
+    fn discovered_marker(&self, nqn: &str) -> PathBuf {
+        self.root.join(PRIVATE_DIR).join("discovered").join(nqn)
+    }
+
     fn discovered(&self, nqn: &str) -> bool {
-        self.root
-            .join(PRIVATE_DIR)
-            .join("discovered")
-            .join(nqn)
-            .exists()
+        self.discovered_marker(nqn).exists()
     }
 
     fn at(&self, rel: &Path) -> io::Result<PathBuf> {
@@ -804,7 +803,17 @@ impl ConfigfsDouble {
             }
             _ => return Err(errno(libc::EPERM)),
         }
-        fs::remove_dir_all(path)
+        fs::remove_dir_all(path)?;
+        if let Place::Subsystem(nqn) = classify(rel) {
+            // The kernel keeps "a host identified it" in the subsystem itself
+            // (`subsys_discovered`), so it goes with it: a subsystem made again under the same
+            // name takes a serial and a model again.
+            match fs::remove_file(self.discovered_marker(nqn)) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
 

@@ -5,12 +5,13 @@
 //! batches. [`verify`] reads back and compares with the effective desired state; any difference
 //! is an error, never a warning.
 
+use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::io::{self, Write as _};
 use std::path::{Path, PathBuf};
 
-use crate::model::{ExportSpec, HostAccess, SubsystemState, TargetState};
-use crate::names::SubsystemNqn;
+use crate::model::{ExportSpec, HostAccess, PortSpec, SubsystemState, TargetState};
+use crate::names::{PortId, SubsystemNqn};
 use crate::plan::Op;
 
 /// Something that can perform one configfs operation.
@@ -183,33 +184,7 @@ pub fn verify(observed: &TargetState, spec: &ExportSpec) -> Result<(), VerifyErr
         .map(ToString::to_string)
         .collect();
     diff("extra namespaces".into(), String::new(), extra.join(","));
-    for (port, want) in &spec.ports {
-        match observed.ports.get(port) {
-            None => diff(format!("port {port}"), "present".into(), "absent".into()),
-            Some(p) => {
-                diff(
-                    format!("port {port} address"),
-                    "matching".into(),
-                    if p.matches(want) {
-                        "matching"
-                    } else {
-                        "different"
-                    }
-                    .into(),
-                );
-                diff(
-                    format!("port {port} link"),
-                    "linked".into(),
-                    if p.subsystems.contains(nqn) {
-                        "linked"
-                    } else {
-                        "unlinked"
-                    }
-                    .into(),
-                );
-            }
-        }
-    }
+    diff_ports(observed, nqn, &spec.ports, &mut diff);
     let stray: Vec<String> = observed
         .ports_linking(nqn)
         .filter(|p| !spec.ports.contains_key(p))
@@ -260,6 +235,74 @@ pub fn verify_acl(
             nqn: nqn.to_string(),
             mismatches: out,
         })
+    }
+}
+
+/// Compares only the port links of `nqn` with `ports`: each port present with its address and
+/// linking the subsystem (links on other ports are not checked). What a grant or a cut must
+/// leave behind.
+pub fn verify_links(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    ports: &BTreeMap<PortId, PortSpec>,
+) -> Result<(), VerifyError> {
+    let mut out = Vec::new();
+    diff_ports(
+        observed,
+        nqn.as_str(),
+        ports,
+        &mut |what, expected, found| {
+            if expected != found {
+                out.push(Mismatch {
+                    what,
+                    expected,
+                    found,
+                });
+            }
+        },
+    );
+    if out.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyError {
+            nqn: nqn.to_string(),
+            mismatches: out,
+        })
+    }
+}
+
+fn diff_ports(
+    observed: &TargetState,
+    nqn: &str,
+    ports: &BTreeMap<PortId, PortSpec>,
+    diff: &mut dyn FnMut(String, String, String),
+) {
+    for (port, want) in ports {
+        match observed.ports.get(port) {
+            None => diff(format!("port {port}"), "present".into(), "absent".into()),
+            Some(p) => {
+                diff(
+                    format!("port {port} address"),
+                    "matching".into(),
+                    if p.matches(want) {
+                        "matching"
+                    } else {
+                        "different"
+                    }
+                    .into(),
+                );
+                diff(
+                    format!("port {port} link"),
+                    "linked".into(),
+                    if p.subsystems.contains(nqn) {
+                        "linked"
+                    } else {
+                        "unlinked"
+                    }
+                    .into(),
+                );
+            }
+        }
     }
 }
 

@@ -22,6 +22,7 @@ pub mod target_model;
 pub use double::ConfigfsDouble;
 pub use exec::{
     ApplyError, Executor, KernelExecutor, Mismatch, VerifyError, apply, verify, verify_acl,
+    verify_links,
 };
 pub use identity::{IdentityError, NamespaceIdentity, Nguid, Serial, derive_serial};
 pub use model::{
@@ -30,8 +31,8 @@ pub use model::{
 };
 pub use names::{HostNqn, NameError, NamespaceId, Nqn, PortId, SubsystemNqn, VolumeId};
 pub use plan::{
-    Adoption, ExportPlan, Op, PlanError, plan_acl, plan_cut_connections, plan_export,
-    plan_revalidate, plan_unexport,
+    Adoption, ExportPlan, Op, PlanError, Released, plan_acl, plan_cut_connections, plan_export,
+    plan_links, plan_release, plan_revalidate, plan_unexport,
 };
 pub use target_model::TargetModel;
 

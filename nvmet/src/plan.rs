@@ -5,7 +5,8 @@
 //! submit it to io_uring in batches. Every plan obeys the kernel's rules (`docs/rules.md` K2-K16):
 //! - identity (`attr_serial`, `device_uuid`, `device_nguid`) and `device_path` are written before
 //!   a namespace is enabled, and before the subsystem is first linked to a port;
-//! - the identity of an enabled namespace and the serial of a port-linked subsystem are never
+//! - the identity of an enabled namespace and the serial of a subsystem a host may have
+//!   identified (any but one exactly as its mkdir left it: `serial_may_be_frozen`) are never
 //!   rewritten: a live export with other identity is adopted, and the plan says so;
 //! - port attributes are written only on a port the plan creates (ports are shared);
 //! - ACL mode changes in the legal order: `allow_any_host=0` before linking hosts, hosts unlinked
@@ -29,7 +30,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use crate::identity::NamespaceIdentity;
-use crate::model::{ExportSpec, HOSTS, HostAccess, PORTS, PortState, SUBSYSTEMS, TargetState};
+use crate::model::{
+    ExportSpec, HOSTS, HostAccess, PORTS, PortSpec, PortState, SUBSYSTEMS, SubsystemState,
+    TargetState,
+};
 use crate::names::{NamespaceId, PortId, SubsystemNqn};
 
 /// One primitive configfs operation. Paths are relative to the nvmet root.
@@ -92,7 +96,8 @@ pub enum Adoption {
         live: NamespaceIdentity,
         desired: NamespaceIdentity,
     },
-    /// A port-linked subsystem shows another serial: kept (hosts may have discovered it).
+    /// A subsystem a host may have identified shows another serial: kept (the kernel refuses a
+    /// new one after Identify).
     Serial { live: String, desired: String },
 }
 
@@ -198,7 +203,7 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         ops.push(Op::Mkdir { path: sdir.clone() });
     }
     if current.serial != spec.serial.as_str() {
-        if existing.is_some() && !linked_ports.is_empty() {
+        if existing.is_some_and(|sub| serial_may_be_frozen(sub, &linked_ports)) {
             adoptions.push(Adoption::Serial {
                 live: current.serial.clone(),
                 desired: spec.serial.to_string(),
@@ -313,30 +318,7 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
 
     // 4. Ports last: the subsystem becomes reachable only once fully configured.
     for (port, want) in &spec.ports {
-        let pdir = port_dir(*port);
-        match observed.ports.get(port) {
-            Some(found) if !found.matches(want) => {
-                let wanted = want.attributes().map(|(_, v)| v);
-                return Err(PlanError::PortConflict {
-                    port: *port,
-                    found: describe_port(found),
-                    wanted: format!("{}/{} {}:{}", wanted[0], wanted[1], wanted[2], wanted[3]),
-                });
-            }
-            Some(_) => {}
-            None => {
-                ops.push(Op::Mkdir { path: pdir.clone() });
-                for (attr, value) in want.attributes() {
-                    ops.push(write(pdir.join(attr), value));
-                }
-            }
-        }
-        if !linked_ports.contains(port) {
-            ops.push(Op::Symlink {
-                target: sdir.clone(),
-                link: pdir.join(SUBSYSTEMS).join(nqn),
-            });
-        }
+        push_port_link(observed, nqn, *port, Some(want), &linked_ports, &mut ops)?;
     }
     for port in &linked_ports {
         if !spec.ports.contains_key(port) {
@@ -360,6 +342,81 @@ pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPl
         replan_after,
         live_without_reservations,
     })
+}
+
+/// Whether a host may have identified the subsystem `sub`, so that the kernel refuses a new
+/// serial (K: `attr_serial` after Identify is EINVAL, until the subsystem is removed). configfs
+/// shows neither the identification nor a port link that is gone: a subsystem linked once and
+/// unlinked since (an unexport interrupted after its first step, a cut whose link back failed)
+/// looks like one never linked. pillar writes the serial right after the subsystem's mkdir,
+/// before anything else, so only a subsystem as its mkdir left it (no namespace, no host, no
+/// `allow_any_host`, no port link: the state a crash between the mkdir and the serial write
+/// leaves) is certainly unseen; the serial of any other is kept (adopted, and recorded by the
+/// agent with the rest of the identity, I4).
+fn serial_may_be_frozen(sub: &SubsystemState, linked: &BTreeSet<PortId>) -> bool {
+    !linked.is_empty()
+        || sub.allow_any_host
+        || !sub.allowed_hosts.is_empty()
+        || !sub.namespaces.is_empty()
+}
+
+/// Links `nqn` to `port` unless `linked` holds it; with `want`, creates the port with its
+/// attributes when it is gone, and refuses one that exists with another address (ports are
+/// shared: their attributes are written only on a port the plan creates).
+fn push_port_link(
+    observed: &TargetState,
+    nqn: &str,
+    port: PortId,
+    want: Option<&PortSpec>,
+    linked: &BTreeSet<PortId>,
+    ops: &mut Vec<Op>,
+) -> Result<(), PlanError> {
+    let pdir = port_dir(port);
+    match (observed.ports.get(&port), want) {
+        (Some(found), Some(want)) if !found.matches(want) => {
+            let wanted = want.attributes().map(|(_, v)| v);
+            return Err(PlanError::PortConflict {
+                port,
+                found: describe_port(found),
+                wanted: format!("{}/{} {}:{}", wanted[0], wanted[1], wanted[2], wanted[3]),
+            });
+        }
+        (None, Some(want)) => {
+            ops.push(Op::Mkdir { path: pdir.clone() });
+            for (attr, value) in want.attributes() {
+                ops.push(write(pdir.join(attr), value));
+            }
+        }
+        _ => {}
+    }
+    if !linked.contains(&port) {
+        ops.push(Op::Symlink {
+            target: subsys_dir(nqn),
+            link: pdir.join(SUBSYSTEMS).join(nqn),
+        });
+    }
+    Ok(())
+}
+
+/// Plans the links of the live subsystem `nqn` to each port of `ports` it is not linked to,
+/// creating a port that is gone: what a grant makes sure of, so an export a failed cut left on
+/// no port is reachable again. Links to other ports are left alone. Empty when the subsystem
+/// does not exist (only an export creates it).
+pub fn plan_links(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    ports: &BTreeMap<PortId, PortSpec>,
+) -> Result<Vec<Op>, PlanError> {
+    let name = nqn.as_str();
+    if observed.subsystem(nqn).is_none() {
+        return Ok(Vec::new());
+    }
+    let linked: BTreeSet<PortId> = observed.ports_linking(name).collect();
+    let mut ops = Vec::new();
+    for (port, want) in ports {
+        push_port_link(observed, name, *port, Some(want), &linked, &mut ops)?;
+    }
+    Ok(ops)
 }
 
 /// Plans a change of the ACL of the live subsystem `nqn` to `access`.
@@ -588,22 +645,166 @@ pub fn plan_revalidate(
     )])
 }
 
-/// Plans a cut of every live connection to `nqn`: unlink it from each port and link it back.
-/// Unlinking deletes the subsystem's controllers on that port; hosts still allowed reconnect by
-/// themselves, hosts no longer allowed are refused (removing a host from `allowed_hosts` alone
-/// leaves its live controllers working).
-pub fn plan_cut_connections(observed: &TargetState, nqn: &SubsystemNqn) -> Vec<Op> {
+/// Plans a cut of every live connection to `nqn`: unlink it from each port it is linked to, then
+/// link it back to those ports and to each port of `ports` (the ports its export belongs on),
+/// creating one that is gone. Unlinking deletes the subsystem's controllers on that port; hosts
+/// still allowed reconnect by themselves, hosts no longer allowed are refused (removing a host
+/// from `allowed_hosts` alone leaves its live controllers working). Planning the links back
+/// from `ports`, not only from the links seen now, makes a retry after a cut that failed between
+/// its unlink and its link finish the cut instead of leaving the export on no port. Empty when
+/// the subsystem does not exist.
+pub fn plan_cut_connections(
+    observed: &TargetState,
+    nqn: &SubsystemNqn,
+    ports: &BTreeMap<PortId, PortSpec>,
+) -> Result<Vec<Op>, PlanError> {
     let name = nqn.as_str();
-    let ports: Vec<PortId> = observed.ports_linking(name).collect();
-    let mut ops: Vec<Op> = ports
+    if observed.subsystem(nqn).is_none() {
+        return Ok(Vec::new());
+    }
+    let linked: BTreeSet<PortId> = observed.ports_linking(name).collect();
+    let mut ops: Vec<Op> = linked
         .iter()
         .map(|p| Op::Unlink {
             path: port_dir(*p).join(SUBSYSTEMS).join(name),
         })
         .collect();
-    ops.extend(ports.iter().map(|p| Op::Symlink {
-        target: subsys_dir(name),
-        link: port_dir(*p).join(SUBSYSTEMS).join(name),
-    }));
+    let back: BTreeSet<PortId> = linked.iter().chain(ports.keys()).copied().collect();
+    for port in back {
+        push_port_link(
+            observed,
+            name,
+            port,
+            ports.get(&port),
+            &BTreeSet::new(),
+            &mut ops,
+        )?;
+    }
+    Ok(ops)
+}
+
+/// The shared entries a plan lets go of: ports it unlinks the subsystem from and does not link it
+/// back to, host entries it unlinks from the subsystem's `allowed_hosts` and does not link back,
+/// each unless the plan removes it itself. A plan made while other subsystems change beside it
+/// may keep such an entry because another subsystem still used it when it looked; whoever lets
+/// go of it last must remove it ([`plan_release`], planned again once nothing else changes).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub ports: BTreeSet<PortId>,
+    pub hosts: BTreeSet<String>,
+}
+
+impl Released {
+    /// What `ops`, a plan for `nqn`, lets go of.
+    pub fn by(ops: &[Op], nqn: &SubsystemNqn) -> Self {
+        let mut out = Self::default();
+        for op in ops {
+            let parts: Vec<&str> = op.path().iter().filter_map(|c| c.to_str()).collect();
+            let port = |p: &str| PortId::parse(p).ok();
+            match (op, parts.as_slice()) {
+                (Op::Unlink { .. }, [PORTS, p, SUBSYSTEMS, s]) if *s == nqn.as_str() => {
+                    out.ports.extend(port(p));
+                }
+                (Op::Symlink { .. }, [PORTS, p, SUBSYSTEMS, s]) if *s == nqn.as_str() => {
+                    if let Some(p) = port(p) {
+                        out.ports.remove(&p);
+                    }
+                }
+                (Op::Rmdir { .. }, [PORTS, p]) => {
+                    if let Some(p) = port(p) {
+                        out.ports.remove(&p);
+                    }
+                }
+                (Op::Unlink { .. }, [SUBSYSTEMS, s, "allowed_hosts", h]) if *s == nqn.as_str() => {
+                    out.hosts.insert((*h).to_owned());
+                }
+                (Op::Symlink { .. }, [SUBSYSTEMS, s, "allowed_hosts", h]) if *s == nqn.as_str() => {
+                    out.hosts.remove(*h);
+                }
+                (Op::Rmdir { .. }, [HOSTS, h]) => {
+                    out.hosts.remove(*h);
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Whether nothing was let go of.
+    pub fn is_empty(&self) -> bool {
+        self.ports.is_empty() && self.hosts.is_empty()
+    }
+}
+
+/// Removes the entries of `released` that nothing uses in `observed`: a port no subsystem is
+/// linked to and with no referral, a host entry no subsystem's `allowed_hosts` links. Plan it
+/// while no other change runs, from a state that shows every subsystem linking a released host
+/// (the agent's exclusive target lock and `TargetModel::view_with_hosts`).
+pub fn plan_release(observed: &TargetState, released: &Released) -> Vec<Op> {
+    let mut ops = Vec::new();
+    for port in &released.ports {
+        if let Some(p) = observed.ports.get(port)
+            && p.subsystems.is_empty()
+            && p.referrals == 0
+        {
+            ops.push(Op::Rmdir {
+                path: port_dir(*port),
+            });
+        }
+    }
+    for host in &released.hosts {
+        let used = observed
+            .subsystems
+            .values()
+            .any(|s| s.allowed_hosts.contains(host));
+        if observed.hosts.contains(host) && !used {
+            ops.push(Op::Rmdir {
+                path: Path::new(HOSTS).join(host),
+            });
+        }
+    }
     ops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nqn() -> SubsystemNqn {
+        crate::VolumeId::parse("v1").unwrap().subsystem_nqn()
+    }
+
+    #[test]
+    fn released_is_what_a_plan_unlinks_and_neither_links_back_nor_removes() {
+        let n = nqn();
+        let link = |port: &str| PathBuf::from(format!("ports/{port}/subsystems/{n}"));
+        let host = |h: &str| PathBuf::from(format!("subsystems/{n}/allowed_hosts/{h}"));
+        let ops = vec![
+            // A cut: unlinked and linked back, nothing let go of.
+            Op::Unlink { path: link("1") },
+            Op::Symlink {
+                target: subsys_dir(n.as_str()),
+                link: link("1"),
+            },
+            // Unlinked and removed by the plan itself.
+            Op::Unlink { path: link("2") },
+            Op::Rmdir {
+                path: "ports/2".into(),
+            },
+            Op::Unlink { path: link("3") },
+            Op::Unlink { path: host("h1") },
+            Op::Unlink { path: host("h2") },
+            Op::Rmdir {
+                path: "hosts/h2".into(),
+            },
+            // Another subsystem's link is not this plan's.
+            Op::Unlink {
+                path: "ports/4/subsystems/other".into(),
+            },
+        ];
+        let released = Released::by(&ops, &n);
+        assert_eq!(released.ports, [PortId::new(3)].into_iter().collect());
+        assert_eq!(released.hosts, ["h1".to_owned()].into_iter().collect());
+        assert!(Released::by(&ops[..2], &n).is_empty());
+    }
 }

@@ -94,25 +94,37 @@ impl TargetModel {
         self.state.hosts.clone_from(&scoped.hosts);
     }
 
+    /// Whether some subsystem links the host entry `host`, as the model holds it: as of each
+    /// subsystem's latest scoped read folded in.
+    pub fn host_linked(&self, host: &str) -> bool {
+        self.host_links.contains_key(host)
+    }
+
     /// The state to plan `nqn` with: the subsystem, the ports and the host entries as the model
     /// holds them (current after a [`refresh`](Self::refresh) of `nqn`), and one witness for
     /// each question the planner asks about the rest (see the module docs).
     pub fn view(&self, nqn: &str) -> TargetState {
+        self.view_with_hosts(nqn, &BTreeSet::new())
+    }
+
+    /// [`view`](Self::view), with a witness for each host of `hosts` too (a subsystem other
+    /// than `nqn` linking it, if any): to decide whether host entries `nqn` no longer links
+    /// are still used ([`crate::plan_release`]).
+    pub fn view_with_hosts(&self, nqn: &str, hosts: &BTreeSet<String>) -> TargetState {
         let mut view = TargetState {
             hosts: self.state.hosts.clone(),
             ..TargetState::default()
         };
         let own = self.state.subsystems.get(nqn);
         let mut witnesses = BTreeSet::new();
-        if let Some(sub) = own {
-            for host in &sub.allowed_hosts {
-                if let Some(other) = self
-                    .host_links
-                    .get(host)
-                    .and_then(|links| links.iter().find(|s| *s != nqn))
-                {
-                    witnesses.insert(other.clone());
-                }
+        let own_hosts = own.into_iter().flat_map(|sub| sub.allowed_hosts.iter());
+        for host in own_hosts.chain(hosts) {
+            if let Some(other) = self
+                .host_links
+                .get(host)
+                .and_then(|links| links.iter().find(|s| *s != nqn))
+            {
+                witnesses.insert(other.clone());
             }
         }
         // The reservation probe: any namespace of this kernel shows whether it has them.

@@ -118,13 +118,22 @@ fn planner_sets_identity_before_enable_and_never_rewrites_a_live_one() {
         nguid: live.nguid.unwrap(),
     };
     assert!(live_id.nguid.is_zero(), "the kernel leaves NGUID zero");
+    // So is the kernel's random serial: the subsystem is unlinked now, but one with a namespace
+    // may have been linked and identified before (K: a serial is frozen after Identify).
+    let live_serial = f.state().subsystems[&spec.nqn.to_string()].serial.clone();
     assert_eq!(
         plan.adoptions,
-        vec![Adoption::Namespace {
-            nsid: NamespaceId::VOLUME,
-            live: live_id,
-            desired: spec.namespaces[&NamespaceId::VOLUME].identity
-        }]
+        vec![
+            Adoption::Serial {
+                live: live_serial,
+                desired: spec.serial.to_string()
+            },
+            Adoption::Namespace {
+                nsid: NamespaceId::VOLUME,
+                live: live_id,
+                desired: spec.namespaces[&NamespaceId::VOLUME].identity
+            }
+        ]
     );
     apply(&mut f.double, &plan.ops).unwrap();
     verify(&f.state(), &plan.effective).unwrap();
@@ -159,13 +168,20 @@ fn planner_adopts_a_live_foreign_identity() {
         uuid: foreign_uuid.parse().unwrap(),
         nguid: foreign_uuid.parse().unwrap(),
     };
+    let live_serial = f.state().subsystems[&spec.nqn.to_string()].serial.clone();
     assert_eq!(
         plan.adoptions,
-        vec![Adoption::Namespace {
-            nsid: NamespaceId::VOLUME,
-            live,
-            desired: spec.namespaces[&NamespaceId::VOLUME].identity
-        }]
+        vec![
+            Adoption::Serial {
+                live: live_serial,
+                desired: spec.serial.to_string()
+            },
+            Adoption::Namespace {
+                nsid: NamespaceId::VOLUME,
+                live,
+                desired: spec.namespaces[&NamespaceId::VOLUME].identity
+            }
+        ]
     );
     assert_eq!(
         plan.effective.namespaces[&NamespaceId::VOLUME].identity,
@@ -506,6 +522,31 @@ fn double_refuses_serial_and_model_changes_after_a_host_identified() {
     );
 }
 
+// proves the double is faithful to K (serial frozen by Identify): the kernel keeps "a host
+// identified this subsystem" in the subsystem itself (`subsys_discovered`), so it goes with the
+// subsystem's rmdir; a subsystem made again under the same name takes a serial and a model.
+// On the old double the marker outlived the subsystem and the write was refused (EINVAL).
+#[test]
+fn a_subsystem_made_again_after_its_removal_takes_a_serial_again() {
+    let mut f = Fixture::new();
+    let nqn = "nqn.2026-11.io.pillar-csi:vol:v1";
+    f.double.execute(&mkdir(S)).unwrap();
+    f.double.host_identifies(nqn).unwrap();
+    assert_eq!(
+        errno_of(f.double.execute(&write(&format!("{S}/attr_serial"), "abc"))),
+        libc::EINVAL
+    );
+    f.double.execute(&Op::Rmdir { path: S.into() }).unwrap();
+    f.double.execute(&mkdir(S)).unwrap();
+    f.double
+        .execute(&write(&format!("{S}/attr_serial"), "abc"))
+        .unwrap();
+    f.double
+        .execute(&write(&format!("{S}/attr_model"), "pillar"))
+        .unwrap();
+    assert_eq!(f.state().subsystems[nqn].serial, "abc");
+}
+
 // proves I1 (serial half)
 #[test]
 fn planner_sets_serial_before_the_first_port_link_and_adopts_a_live_one() {
@@ -775,7 +816,7 @@ fn an_acl_change_keeps_live_controllers_and_the_cut_removes_them() {
         vec![(1, h1.clone()), (1, h2.clone())],
         "dropping the allowed_hosts link deletes no controller"
     );
-    let cut = pillar_nvmet::plan_cut_connections(&f.state(), &spec.nqn);
+    let cut = pillar_nvmet::plan_cut_connections(&f.state(), &spec.nqn, &spec.ports).unwrap();
     apply(&mut f.double, &cut).unwrap();
     assert!(f.double.controllers(&nqn).unwrap().is_empty());
     assert_eq!(errno_of(f.double.host_connects(&nqn, &h1, 1)), libc::EACCES);

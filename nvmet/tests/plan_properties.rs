@@ -23,9 +23,9 @@ use std::path::PathBuf;
 
 use common::{Fixture, export, host, only};
 use pillar_nvmet::{
-    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec,
+    Adoption, Executor, HostAccess, NamespaceId, NamespaceIdentity, Op, PortId, PortSpec, Released,
     TargetModel, VolumeId, apply, derive_serial, observe_scope, plan_acl, plan_cut_connections,
-    plan_export, plan_unexport, verify,
+    plan_export, plan_links, plan_release, plan_unexport, verify,
 };
 use proptest::prelude::*;
 
@@ -72,9 +72,8 @@ enum Seed {
         any_host: bool,
         hosts: Vec<u32>,
         ports: Vec<u16>,
-        /// A host sent Identify: serial and model are frozen from now on (K: EINVAL). Only
-        /// generated while the subsystem stays linked; the unlinked case is the known defect
-        /// pinned by `a_serial_frozen_by_a_host_is_not_rewritten_after_the_links_are_gone`.
+        /// A host sent Identify: serial and model are frozen from now on (K: EINVAL), linked
+        /// or not (`a_serial_frozen_by_a_host_is_not_rewritten_after_the_links_are_gone`).
         identified: bool,
     },
 }
@@ -110,13 +109,19 @@ fn seed() -> impl Strategy<Value = Seed> {
         )
             .prop_map(|(derived_serial, namespace, any_host, hosts, ports, identified)| {
                 let ports: Vec<u16> = ports.into_iter().collect();
+                // The kernel refuses host links while allow_any_host=1.
+                let hosts: Vec<u32> = if any_host { Vec::new() } else { hosts.into_iter().collect() };
+                // A host can have identified any subsystem it could reach once: linked now, or
+                // linked before and unlinked since (an interrupted unexport, a failed cut); not
+                // one exactly as its mkdir left it.
+                let reachable =
+                    any_host || !hosts.is_empty() || namespace.is_some() || !ports.is_empty();
                 Seed::Present {
                     derived_serial,
                     namespace,
                     any_host,
-                    // The kernel refuses host links while allow_any_host=1.
-                    hosts: if any_host { Vec::new() } else { hosts.into_iter().collect() },
-                    identified: identified && !ports.is_empty(),
+                    hosts,
+                    identified: identified && reachable,
                     ports,
                 }
             }),
@@ -283,7 +288,19 @@ proptest! {
             model.refresh(nqn.as_str(), &observe_scope(f.double.root(), nqn.as_str()).unwrap());
             let view = model.view(nqn.as_str());
             prop_assert_eq!(plan_unexport(&view, &nqn), plan_unexport(&before, &nqn));
-            prop_assert_eq!(plan_cut_connections(&view, &nqn), plan_cut_connections(&before, &nqn));
+            // Whether a released port or host entry is still used: the same answer.
+            let released = Released {
+                ports: before.ports.keys().copied().collect(),
+                hosts: before.hosts.clone(),
+            };
+            prop_assert_eq!(
+                plan_release(&model.view_with_hosts(nqn.as_str(), &released.hosts), &released),
+                plan_release(&before, &released)
+            );
+            for links in [BTreeMap::new(), ports(&[1, 3])] {
+                prop_assert_eq!(plan_cut_connections(&view, &nqn, &links), plan_cut_connections(&before, &nqn, &links));
+                prop_assert_eq!(plan_links(&view, &nqn, &links), plan_links(&before, &nqn, &links));
+            }
             for access in [HostAccess::AnyHost, only(&[]), only(&[0, 3])] {
                 let expected = BTreeMap::new();
                 prop_assert_eq!(
@@ -315,8 +332,10 @@ proptest! {
                     let after = f.state();
                     verify(&after, &plan.effective)
                         .map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
-                    // Adopted exactly where a rewrite is forbidden: an enabled namespace with
-                    // other identity, a port-linked subsystem with another serial.
+                    // Adopted exactly where a rewrite is or may be forbidden: an enabled
+                    // namespace with other identity; another serial on any subsystem but one
+                    // exactly as its mkdir left it (configfs does not show whether a host
+                    // identified it while it was linked).
                     let live = before.subsystem(&nqn);
                     let ns_live = live
                         .and_then(|s| s.namespaces.get(&NamespaceId::VOLUME))
@@ -325,8 +344,7 @@ proptest! {
                         ns.shown_identity() != Some(spec.namespaces[&NamespaceId::VOLUME].identity)
                     });
                     let expect_serial = live.is_some_and(|s| {
-                        s.serial != spec.serial.as_str()
-                            && before.ports_linking(nqn.as_str()).next().is_some()
+                        s.serial != spec.serial.as_str() && !bare(s, &before, nqn.as_str())
                     });
                     let got_ns = plan.adoptions.iter().any(|a| matches!(a, Adoption::Namespace { .. }));
                     let got_serial = plan.adoptions.iter().any(|a| matches!(a, Adoption::Serial { .. }));
@@ -355,17 +373,26 @@ proptest! {
     }
 }
 
+/// Whether `sub` is exactly as its mkdir left it: the only subsystem whose serial the planner
+/// rewrites.
+fn bare(sub: &pillar_nvmet::SubsystemState, state: &pillar_nvmet::TargetState, nqn: &str) -> bool {
+    !sub.allow_any_host
+        && sub.allowed_hosts.is_empty()
+        && sub.namespaces.is_empty()
+        && state.ports_linking(nqn).next().is_none()
+}
+
 /// A host identified a subsystem whose serial is not the derived one (a kernel-random serial from
 /// a crash between mkdir and the serial write, or an older writer) while it was linked; then the
 /// subsystem was unlinked from every port (an unexport interrupted after its first step, or an
 /// operator). The serial is frozen in the kernel (EINVAL on write), but nothing in configfs says
-/// so, and `plan_export` only adopts a serial while the subsystem is port-linked: it plans the
-/// rewrite and the kernel refuses, so the export cannot be restored without removing the
-/// subsystem. The same happens on the second plan after an export that dropped every port of a
-/// subsystem with an adopted serial.
+/// so. The old planner adopted a serial only while the subsystem was port-linked: it planned the
+/// rewrite and the kernel refused, so the export could not be restored without removing the
+/// subsystem (the same on the second plan after an export that dropped every port of a
+/// subsystem with an adopted serial). Now only a subsystem exactly as its mkdir left it gets a
+/// new serial; this one's is adopted.
 // proves I3 (serial half): never rewrite identity a host has seen.
 #[test]
-#[ignore = "known planner defect: a serial frozen by Identify is rewritten once the subsystem has no port link (EINVAL on a real kernel)"]
 fn a_serial_frozen_by_a_host_is_not_rewritten_after_the_links_are_gone() {
     let mut f = Fixture::new();
     let device = f.device("va");

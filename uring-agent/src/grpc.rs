@@ -20,6 +20,7 @@ use tonic::{Code, Request, Response, Status};
 use tracing::Instrument;
 
 use crate::backend::{BackendError, ContentSource};
+use crate::engine::EngineError;
 use crate::fence::{MarkError, Rejection, Token};
 use crate::hooks::Hooks;
 use crate::metrics::Metrics;
@@ -29,6 +30,9 @@ use crate::target::TargetError;
 /// The reason of every agent error. Changing a row changes the controller's behaviour.
 pub fn reason_of(err: &AgentError) -> ErrorReason {
     use ErrorReason as R;
+    if overloaded(err) {
+        return R::Overloaded;
+    }
     match err {
         AgentError::InvalidArgument { .. } => R::InvalidRequest,
         AgentError::UnknownPool { .. } => R::UnknownPool,
@@ -73,6 +77,20 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
         AgentError::SourceInUse { .. } => R::SourceInUse,
         AgentError::UnmarkedSnapshot { .. } => R::BackendRefused,
     }
+}
+
+/// Whether the engine refused a step of the request because it holds as many requests as it
+/// admits ([`EngineError::QueueFull`]), at whatever depth (a mark write, a configfs apply, an
+/// identity record).
+fn overloaded(err: &AgentError) -> bool {
+    let mut source = err.source();
+    while let Some(e) = source {
+        if matches!(e.downcast_ref(), Some(EngineError::QueueFull { .. })) {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// The error and its causes, one line.
@@ -667,6 +685,32 @@ mod tests {
                 protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl }),
                 allowed_host_nqns: hosts,
             })
+    }
+
+    // The engine's bound at the edge: a request the engine refused because it holds as many as
+    // it admits leaves as UNAVAILABLE with the Overloaded reason, whichever step met it.
+    #[test]
+    fn a_request_the_full_engine_refused_is_unavailable_and_overloaded() {
+        let full = || EngineError::QueueFull { limit: 8 };
+        for err in [
+            AgentError::Mark(MarkError::Write {
+                volume: "v1".into(),
+                source: full(),
+            }),
+            AgentError::Target(TargetError::Apply(full())),
+            AgentError::Target(TargetError::WriteIdentityRecord {
+                volume: "v1".into(),
+                source: full(),
+            }),
+        ] {
+            let status = status(&err);
+            assert_eq!(status.code(), Code::Unavailable, "{err:?}");
+            assert_eq!(
+                pillar_agent_api::reason_of(&status),
+                ErrorReason::Overloaded,
+                "{err:?}"
+            );
+        }
     }
 
     /// A rejected request leaves as INVALID_ARGUMENT with the InvalidRequest reason, naming the

@@ -15,10 +15,13 @@
 //! - Exports use the derived identity (I1), or the recorded adopted one (I4); the identity is set
 //!   before enable and read back after every change (I2), and never changed on a live namespace
 //!   (I3, enforced by the planner).
-//! - A grant or revoke changes the ACL and nothing else (`plan_acl`): whatever the namespace
-//!   shows, an ACL change never disables, removes or rewrites it.
+//! - A grant or revoke changes the ACL (`plan_acl`) and the subsystem's port links, nothing
+//!   else: whatever the namespace shows, an ACL change never removes or rewrites it.
 //! - A revoke under `acl` removes the host from the ACL and then cuts the subsystem's live
-//!   connections, so the revoked host can no longer do I/O when the call returns (W7).
+//!   connections, so the revoked host can no longer do I/O when the call returns (W7). The cut
+//!   links the subsystem back to the ports its export belongs on (`export_ports`), and a grant
+//!   makes sure it is on them: a cut that failed between its unlink and its link is finished by
+//!   the next revoke or grant, never answered OK with the export on no port.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
@@ -28,10 +31,10 @@ use std::sync::Arc;
 use pillar_lock_by_id::{IdGuard, LockById};
 use pillar_nvmet::{
     ExportSpec, HostAccess, HostNqn, NamespaceId, NamespaceIdentity, PortId, PortSpec,
-    SubsystemNqn, VolumeId, plan_acl, plan_cut_connections, plan_export, plan_revalidate,
-    plan_unexport, verify, verify_acl, volume_export,
+    SubsystemNqn, VolumeId, plan_acl, plan_cut_connections, plan_export, plan_links,
+    plan_revalidate, plan_unexport, verify, verify_acl, verify_links, volume_export,
 };
-use pillar_nvmet::{Op, TargetState};
+use pillar_nvmet::{Op, Released, TargetState};
 use tokio::sync::RwLock;
 
 use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
@@ -204,6 +207,11 @@ pub struct Agent {
     readiness: RwLock<Readiness>,
     /// Exports the last resync could not restore, until an Export or Unexport of them succeeds.
     unrestored: std::sync::Mutex<BTreeSet<VolumeId>>,
+    /// The ports each export belongs on, as its last Export or resync asked, until its
+    /// Unexport: a revoke's cut links the subsystem back to them and a grant makes sure it is on
+    /// them, whatever links a failed cut left. In memory only: after a restart, the resync
+    /// re-exports (and relinks) every export before any grant is served.
+    export_ports: std::sync::Mutex<BTreeMap<VolumeId, Ports>>,
     boot_id: String,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
@@ -239,6 +247,7 @@ impl Agent {
             snapshot_locks: LockById::new(),
             readiness: RwLock::new(Readiness::WaitingForResync),
             unrestored: std::sync::Mutex::new(BTreeSet::new()),
+            export_ports: std::sync::Mutex::new(BTreeMap::new()),
             boot_id: uuid::Uuid::new_v4().to_string(),
             settings,
             metrics,
@@ -284,6 +293,21 @@ impl Agent {
         self.unrestored
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn export_ports_map(&self) -> std::sync::MutexGuard<'_, BTreeMap<VolumeId, Ports>> {
+        self.export_ports
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The ports `volume`'s export belongs on; empty when unknown (not exported since the
+    /// start): then only the links configfs shows are kept.
+    fn ports_of(&self, volume: &VolumeId) -> Ports {
+        self.export_ports_map()
+            .get(volume)
+            .cloned()
+            .unwrap_or_default()
     }
 
     fn pool(&self, name: &str) -> Result<&Backend, AgentError> {
@@ -500,6 +524,8 @@ impl Agent {
             apply_record(&mut spec, record);
         }
         self.commit(volume, decision).await?;
+        self.export_ports_map()
+            .insert(volume.clone(), spec.ports.clone());
         let nqn = spec.nqn.clone();
         // A resync plans from the model its own full read loaded (one read for the node, not
         // one per export); the read-back below checks every export against the kernel.
@@ -559,7 +585,9 @@ impl Agent {
         if !live_without_reservations.is_empty() {
             tracing::info!(%volume, nsids = ?live_without_reservations, "namespace enabled without NVMe reservations keeps running without them (resv_enable cannot be written while enabled)");
         }
-        self.target.apply(&guard, strip(ops)).await?;
+        let ops = strip(ops);
+        let released = released_under(&guard, &ops, &nqn);
+        self.target.apply(&guard, ops).await?;
         let after = self.target.read_back(&guard, nqn.as_str()).await?;
         if !self.settings.kernel_random_identity {
             verify(&after, &plan.effective)?;
@@ -572,6 +600,8 @@ impl Agent {
                 .await?;
             tracing::info!(%volume, "export closed a subsystem that admitted any host: live connections cut");
         }
+        drop(guard);
+        self.target.release(nqn.as_str(), &released, &after).await?;
         tracing::info!(%volume, nqn = %spec.nqn, adopted, "exported");
         Ok(Exported {
             nqn: spec.nqn,
@@ -601,8 +631,10 @@ impl Agent {
                 |ops| ops,
             )
             .await?;
+        let released = released_under(&guard, &ops, &nqn);
         self.target.apply(&guard, ops).await?;
-        if self.target.subsystem_exists(&guard, nqn.as_str()).await? {
+        let after = self.target.read_back(&guard, nqn.as_str()).await?;
+        if after.subsystems.contains_key(nqn.as_str()) {
             return Err(AgentError::Verify(pillar_nvmet::VerifyError {
                 nqn: nqn.to_string(),
                 mismatches: vec![pillar_nvmet::Mismatch {
@@ -612,7 +644,10 @@ impl Agent {
                 }],
             }));
         }
+        drop(guard);
+        self.target.release(nqn.as_str(), &released, &after).await?;
         self.target.forget_identity(volume).await?;
+        self.export_ports_map().remove(volume);
         self.unrestored_set().remove(volume);
         tracing::info!(%volume, "unexported");
         Ok(())
@@ -651,42 +686,53 @@ impl Agent {
         self.commit(volume, decision).await?;
         let nqn = volume.subsystem_nqn();
         let acl_only = intent == Intent::Revoke && self.settings.unsafe_revoke_acl_only;
-        let (guard, planned) = self
+        let ports = self.ports_of(volume);
+        let plan_error = |source| AgentError::Plan {
+            volume: volume.to_string(),
+            source,
+        };
+        let (guard, (ops, access)) = self
             .plan_under_lock(
                 &nqn,
                 |view| {
                     let planned = self.plan_acl_change(view, volume, host, intent, acl_only)?;
                     // Removing the host from allowed_hosts stops new connections only;
                     // unlinking the subsystem from its ports deletes its controllers, and only
-                    // allowed hosts reconnect. An ACL plan never changes port links, so the
-                    // ports are those the view shows.
-                    let cut = if intent == Intent::Revoke && !acl_only {
-                        plan_cut_connections(view, &nqn)
-                    } else {
-                        Vec::new()
+                    // allowed hosts reconnect. The cut links it back to the ports its export
+                    // belongs on, not only to those it is on now: a retry after a cut that
+                    // failed half-way finishes it. A grant makes sure the subsystem is on them.
+                    let links = match intent {
+                        Intent::Revoke if planned.is_some() && !acl_only => {
+                            plan_cut_connections(view, &nqn, &ports).map_err(plan_error)?
+                        }
+                        Intent::Revoke => Vec::new(),
+                        _ => plan_links(view, &nqn, &ports).map_err(plan_error)?,
                     };
-                    Ok(planned.map(|(ops, access)| (ops, access, cut)))
+                    let (mut ops, access) =
+                        planned.map_or((Vec::new(), None), |(ops, access)| (ops, Some(access)));
+                    ops.extend(links);
+                    Ok((ops, access))
                 },
-                |planned| {
-                    planned
-                        .as_ref()
-                        .map_or(&[][..], |(ops, _, _)| ops.as_slice())
-                },
+                |(ops, _)| ops.as_slice(),
             )
             .await?;
-        let Some((ops, access, cut)) = planned else {
+        if ops.is_empty() && access.is_none() {
             return Ok(());
-        };
-        // A revoke that leaves nobody admitted ends with the namespace disabled: the kernel
-        // returns from that write only once every command in flight on it has completed; then
-        // the cut.
+        }
+        // The ACL first; a revoke that leaves nobody admitted ends it with the namespace
+        // disabled: the kernel returns from that write only once every command in flight on it
+        // has completed; then the cut.
+        let released = released_under(&guard, &ops, &nqn);
         self.target.apply(&guard, ops).await?;
-        self.target.apply(&guard, cut).await?;
-        verify_acl(
-            &self.target.read_back(&guard, nqn.as_str()).await?,
-            &nqn,
-            &access,
-        )?;
+        let after = self.target.read_back(&guard, nqn.as_str()).await?;
+        if let Some(access) = &access {
+            verify_acl(&after, &nqn, access)?;
+        }
+        if !acl_only {
+            verify_links(&after, &nqn, &ports)?;
+        }
+        drop(guard);
+        self.target.release(nqn.as_str(), &released, &after).await?;
         tracing::info!(%volume, %host, ?intent, "ACL changed");
         Ok(())
     }
@@ -923,6 +969,21 @@ impl Agent {
         Ok(self.pool(pool)?.capacity().await?)
     }
 }
+
+/// The shared entries `ops` lets go of ([`Released::by`]) when it runs under the shared lock:
+/// it may have kept one that another subsystem, changing beside it, was letting go of too. A
+/// plan made under the exclusive lock saw every other subsystem as it stays, and removed what
+/// nobody else uses.
+fn released_under(guard: &TargetGuard<'_>, ops: &[Op], nqn: &SubsystemNqn) -> Released {
+    if guard.is_exclusive() {
+        Released::default()
+    } else {
+        Released::by(ops, nqn)
+    }
+}
+
+/// The ports of one export, with their addresses.
+type Ports = BTreeMap<PortId, PortSpec>;
 
 /// Where a plan's view of the target comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

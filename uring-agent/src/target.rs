@@ -8,6 +8,11 @@
 //!   volume's own lock orders changes of one volume); exclusive for a change that creates or
 //!   removes a shared entry (a port or a host entry, see [`touches_shared`]) and for loading the
 //!   model, so no plan is computed from shared entries another request is changing.
+//! - A shared entry goes with its last user: a change under the shared lock that lets go of a
+//!   port or host entry another subsystem still used when it planned looks again once it is
+//!   applied and read back, and decides under the exclusive lock when nobody else seems to use
+//!   it ([`Target::release`]); of several letting go at once, the last to look sees nobody
+//!   left. One still used elsewhere costs no exclusive lock.
 //! - An operation reads from the kernel only what it touches (`observe_scope`: its subsystem,
 //!   the ports, the host entries' names) and plans with the in-memory [`TargetModel`] for the
 //!   rest; the model is loaded from a full read under the exclusive lock, kept current by each
@@ -17,12 +22,13 @@
 //! - An identity record exists exactly while an adopted (kernel-random) identity is in use: it
 //!   is written durably before the plan that relies on it runs, and removed after unexport.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pillar_nvmet::{
-    ConfigfsDouble, Executor, NamespaceIdentity, Nguid, Op, Serial, TargetModel, TargetState,
-    VolumeId, observe, observe_scope,
+    ConfigfsDouble, Executor, NamespaceIdentity, Nguid, Op, Released, Serial, TargetModel,
+    TargetState, VolumeId, observe, observe_scope, plan_release,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -249,18 +255,83 @@ impl Target {
         guard: &TargetGuard<'_>,
         nqn: &str,
     ) -> Result<Option<TargetState>, TargetError> {
+        self.plan_view_with_hosts(guard, nqn, &BTreeSet::new())
+            .await
+    }
+
+    /// [`plan_view`](Self::plan_view) with a witness for each of `hosts` too
+    /// ([`TargetModel::view_with_hosts`]).
+    async fn plan_view_with_hosts(
+        &self,
+        guard: &TargetGuard<'_>,
+        nqn: &str,
+        hosts: &BTreeSet<String>,
+    ) -> Result<Option<TargetState>, TargetError> {
         if !self.model_current() {
             if !guard.is_exclusive() {
                 return Ok(None);
             }
             // The full read just now covers `nqn` too.
             self.observe_all(guard).await?;
-            return Ok(Some(self.model().model.view(nqn)));
+            return Ok(Some(self.model().model.view_with_hosts(nqn, hosts)));
         }
         let scoped = self.read_scope(nqn).await?;
         let mut slot = self.model();
         slot.model.refresh(nqn, &scoped);
-        Ok(Some(slot.model.view(nqn)))
+        Ok(Some(slot.model.view_with_hosts(nqn, hosts)))
+    }
+
+    /// Removes the shared entries `released` by a change of `nqn` that ran under the shared
+    /// lock, where nothing uses them any more; `after` is that change's read-back. The change
+    /// planned while other subsystems changed beside it: each of two subsystems letting go of
+    /// one port or host entry at once may have seen the other still using it. Whoever finds,
+    /// after its own change and read-back, that nobody else uses an entry any more decides
+    /// again under the exclusive lock, once every change in flight finished ([`Self::settle`]):
+    /// of several letting go at once, the last to look sees nobody left.
+    pub async fn release(
+        &self,
+        nqn: &str,
+        released: &Released,
+        after: &TargetState,
+    ) -> Result<(), TargetError> {
+        let unsettled = self.settle(released, after);
+        if unsettled.is_empty() {
+            return Ok(());
+        }
+        let guard = self.exclusive().await;
+        let Some(view) = self
+            .plan_view_with_hosts(&guard, nqn, &unsettled.hosts)
+            .await?
+        else {
+            return Ok(());
+        };
+        self.apply(&guard, plan_release(&view, &unsettled)).await
+    }
+
+    /// The entries of `released` that may be unused now and need the exclusive decision. Two
+    /// subsystems letting go of one entry at once each look after their own change: whoever
+    /// looks first may still see the other, and then the other, looking later, sees it gone.
+    /// - A port: `after` was read from the kernel after the unlink; another subsystem linked
+    ///   to it then will look after its own unlink.
+    /// - A host entry: the model, into which every change folds its own read-back before it
+    ///   looks; another subsystem it shows linking the host will look after its own read-back.
+    ///   A model that is not current answers nothing: every host is decided again.
+    fn settle(&self, released: &Released, after: &TargetState) -> Released {
+        let ports = released
+            .ports
+            .iter()
+            .filter(|p| after.ports.get(p).is_some_and(|p| p.subsystems.is_empty()))
+            .copied()
+            .collect();
+        let slot = self.model();
+        let hosts = released
+            .hosts
+            .iter()
+            .filter(|h| after.hosts.contains(*h))
+            .filter(|h| !slot.current || !slot.model.host_linked(h))
+            .cloned()
+            .collect();
+        Released { ports, hosts }
     }
 
     /// The state to plan `nqn` with, from the model alone (no read): for a resync, whose full

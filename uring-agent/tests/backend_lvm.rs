@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent::backend::{
-    Backend, BackendError, CommandError, CommandRunner, ContentSource, LvmBackend, MIB, PoolConfig,
-    PoolKind, Reply, ScriptedRunner,
+    Backend, BackendError, CommandError, CommandRunner, ContentSource, CopyInto, CopyPolicy,
+    LvmBackend, MIB, PoolConfig, PoolKind, Reply, ScriptedRunner,
 };
 use pillar_nvmet::VolumeId;
 
@@ -708,7 +708,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
         );
     let info = f
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap();
     assert_eq!(info.size_bytes, 1 << 30);
@@ -717,7 +717,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
         info.created,
         std::time::UNIX_EPOCH + Duration::from_secs(created)
     );
-    assert!(f.backend.snapshots_are_point_in_time().await.unwrap());
+    assert!(f.backend.copies_at_once(CopyInto::Snapshot).await.unwrap());
     f.done();
 
     // Again: found, nothing run.
@@ -735,7 +735,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
     );
     let again = f
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap();
     assert_eq!((again.created, again.method), (info.created, None));
@@ -774,7 +774,7 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
     let linear = Fixture::linear();
     let err = linear
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap_err();
     assert!(
@@ -782,7 +782,13 @@ async fn thin_snapshots_are_cut_found_and_removed_and_linear_pools_refuse() {
         "{err}"
     );
     assert!(err.to_string().contains("copy-on-write"), "{err}");
-    assert!(linear.backend.snapshots_are_point_in_time().await.is_err());
+    assert!(
+        linear
+            .backend
+            .copies_at_once(CopyInto::Snapshot)
+            .await
+            .is_err()
+    );
 }
 
 // Issue 12 item 2: a restore is a thin snapshot of the snapshot, activation skip off, tagged as
@@ -805,6 +811,7 @@ async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
             &vol("pvc-small"),
             4 * MIB,
             &ContentSource::Snapshot(vol("snap-1")),
+            CopyPolicy::AtOnce,
         )
         .await
         .unwrap_err();
@@ -848,6 +855,7 @@ async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
             &vol("pvc-r"),
             16 * MIB,
             &ContentSource::Snapshot(vol("snap-1")),
+            CopyPolicy::AtOnce,
         )
         .await
         .unwrap();
@@ -886,7 +894,106 @@ async fn thin_restores_and_clones_are_thin_snapshots_of_their_source() {
             )),
         );
     f.backend
-        .create_from(&vol("pvc-c"), 8 * MIB, &ContentSource::Volume(vol("pvc-1")))
+        .create_from(
+            &vol("pvc-c"),
+            8 * MIB,
+            &ContentSource::Volume(vol("pvc-1")),
+            CopyPolicy::AtOnce,
+        )
         .await
         .unwrap();
+}
+
+// Defect (issue 22 item 5): a thin restore interrupted between its lvcreate and its lvextend (the
+// thin pool full, a timeout, the agent killed) left the LV at the snapshot's size, and every
+// retry answered SizeMismatch (ALREADY_EXISTS) for ever. The retry finishes the restore: it finds
+// the LV (pillar's, at the source's size, smaller than asked) and grows it, as ZFS does. A retry
+// asking less than the LV holds is still a mismatch. On the old code the retry listed the LVs a
+// second time and answered SizeMismatch.
+#[tokio::test]
+async fn a_thin_restore_interrupted_before_its_lvextend_is_grown_by_its_retry() {
+    let f = Fixture::thin();
+    let (volume, source) = (vol("pvc-r"), ContentSource::Snapshot(vol("snap-1")));
+    let restore = || {
+        f.backend
+            .create_from(&volume, 16 * MIB, &source, CopyPolicy::AtOnce)
+    };
+    f.expect(&vgs_args(), ok(vg_report(4 * MIB)))
+        .expect(&lvs_args(), ok(report("lv", &[thin_pool_row()])))
+        .expect(
+            &snapshot_lvs_args(),
+            ok(report(
+                "lv",
+                &[snapshot_row("snap+snap-1", 8 * MIB, "pillar-snapshot", 1)],
+            )),
+        )
+        .expect(
+            &[
+                "lvcreate",
+                "--snapshot",
+                "-n",
+                "pvc-r",
+                "--addtag",
+                "pillar",
+                "--setactivationskip",
+                "n",
+                "--yes",
+                "vg0/snap+snap-1",
+            ],
+            ok(String::new()),
+        )
+        .expect(
+            &["lvextend", "-L", "16777216b", "vg0/pvc-r"],
+            Reply::Fail {
+                code: 5,
+                stderr: "  Insufficient free space: 2 extents needed, but only 0 available\n"
+                    .to_owned(),
+            },
+        );
+    let err = restore().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BackendError::Command {
+                step: "lvextend",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    f.done();
+
+    // The retry: the LV is there at the snapshot's size; it is grown, nothing else runs.
+    let interrupted = || {
+        ok(report(
+            "lv",
+            &[thin_pool_row(), thin("pvc-r", 8 * MIB, "pillar")],
+        ))
+    };
+    f.expect(&lvs_args(), interrupted()).expect(
+        &["lvextend", "-L", "16777216b", "vg0/pvc-r"],
+        ok(String::new()),
+    );
+    let info = restore().await.unwrap();
+    assert_eq!(info.size_bytes, 16 * MIB);
+    f.done();
+
+    // Asked smaller than it is: still a mismatch, nothing changed.
+    f.expect(&lvs_args(), interrupted())
+        .expect(&lvs_args(), interrupted());
+    let err = f
+        .backend
+        .create_from(
+            &vol("pvc-r"),
+            4 * MIB,
+            &ContentSource::Snapshot(vol("snap-1")),
+            CopyPolicy::AtOnce,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, BackendError::SizeMismatch { existing, requested, .. }
+            if existing == 8 * MIB && requested == 4 * MIB),
+        "{err:?}"
+    );
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent::backend::{
-    Backend, BackendError, CommandError, CommandRunner, PoolConfig, PoolKind, Reply,
+    Backend, BackendError, CommandError, CommandRunner, CopyPolicy, PoolConfig, PoolKind, Reply,
     ScriptedRunner, ZfsBackend,
 };
 use pillar_nvmet::VolumeId;
@@ -411,7 +411,7 @@ async fn a_snapshot_is_a_marked_zfs_snapshot_of_the_source_zvol() {
         .expect(&SNAPS, ok(&cut));
     let info = f
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap();
     assert_eq!(info.size_bytes, GIB);
@@ -422,7 +422,7 @@ async fn a_snapshot_is_a_marked_zfs_snapshot_of_the_source_zvol() {
     );
     let again = f
         .backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap();
     assert_eq!((again.created, again.method), (info.created, None));
@@ -476,7 +476,7 @@ async fn a_deleted_snapshot_kept_for_its_clones_is_invisible_and_frees_its_name(
             )),
         );
     f.backend
-        .create_snapshot(&vol("pvc-1"), &vol("snap-1"))
+        .create_snapshot(&vol("pvc-1"), &vol("snap-1"), CopyPolicy::AtOnce)
         .await
         .unwrap();
 }
@@ -567,7 +567,7 @@ async fn a_restore_is_a_clone_of_the_snapshot_grown_to_size_and_never_smaller() 
     f.expect(&LIST, ok(PVC1)).expect(&SNAPS, ok(&cut));
     let err = f
         .backend
-        .create_from(&vol("pvc-2"), GIB / 2, &from)
+        .create_from(&vol("pvc-2"), GIB / 2, &from, CopyPolicy::AtOnce)
         .await
         .unwrap_err();
     assert!(
@@ -591,7 +591,7 @@ async fn a_restore_is_a_clone_of_the_snapshot_grown_to_size_and_never_smaller() 
         .expect(&["set", "volsize=2147483648", "tank/pillar/pvc-2"], ok(""));
     let info = f
         .backend
-        .create_from(&vol("pvc-2"), 2 * GIB, &from)
+        .create_from(&vol("pvc-2"), 2 * GIB, &from, CopyPolicy::AtOnce)
         .await
         .unwrap();
     assert_eq!(info.size_bytes, 2 * GIB);
@@ -636,7 +636,7 @@ async fn a_clone_uses_a_hidden_origin_that_goes_with_it() {
         .expect(&SNAPS, ok(&origin))
         .expect(&["destroy", "-d", "tank/pillar/pvc-1@clone:pvc-3"], ok(""));
     f.backend
-        .create_from(&vol("pvc-3"), GIB, &from)
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
         .await
         .unwrap();
     // The retry: the clone exists, its origin was not yet marked.
@@ -646,7 +646,7 @@ async fn a_clone_uses_a_hidden_origin_that_goes_with_it() {
         .expect(&["destroy", "-d", "tank/pillar/pvc-1@clone:pvc-3"], ok(""))
         .expect(&LIST, ok(&both));
     f.backend
-        .create_from(&vol("pvc-3"), GIB, &from)
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
         .await
         .unwrap();
 }
@@ -685,11 +685,93 @@ async fn a_clone_smaller_than_its_source_cuts_nothing() {
     f.expect(&LIST, ok(PVC1)).expect(&LIST, ok(PVC1));
     let err = f
         .backend
-        .create_from(&vol("pvc-3"), GIB / 2, &from)
+        .create_from(&vol("pvc-3"), GIB / 2, &from, CopyPolicy::AtOnce)
         .await
         .unwrap_err();
     assert!(
         matches!(err, BackendError::SmallerThanSource { .. }),
         "{err:?}"
     );
+}
+
+// Defect (issue 22 item 6): a clone whose `zfs clone` failed after its hidden origin was cut left
+// that origin behind, and the retry (or a new lifecycle of the same volume ID, much later)
+// cloned from it: the new volume held the source as it was at the failed attempt. An origin no
+// clone was made from is destroyed and cut anew, so the clone holds the source as it is when the
+// clone is made. On the old code the retry went straight to `zfs clone` of the stale origin.
+#[tokio::test]
+async fn a_clone_retry_cuts_its_hidden_origin_anew() {
+    let f = Fixture::new();
+    let from = pillar_agent::backend::ContentSource::Volume(vol("pvc-1"));
+    let origin = "tank/pillar/pvc-1@clone:pvc-3";
+    let cut = [
+        "snapshot",
+        "-o",
+        "io.pillar-csi:owner=pillar-clone-origin",
+        origin,
+    ];
+    let clone = [
+        "clone",
+        "-o",
+        "volmode=dev",
+        "-o",
+        "io.pillar-csi:owner=pillar",
+        origin,
+        "tank/pillar/pvc-3",
+    ];
+    f.expect(&LIST, ok(PVC1))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(""))
+        .expect(&cut, ok(""))
+        .expect(
+            &clone,
+            Reply::Fail {
+                code: 1,
+                stderr: "cannot create 'tank/pillar/pvc-3': out of space".into(),
+            },
+        );
+    let err = f
+        .backend
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BackendError::Command {
+                step: "zfs clone",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    f.done();
+
+    // The retry: the origin of the failed attempt, cloned by nothing, goes; a new one is cut.
+    let stale = snap_row(origin, false, "-", "pillar-clone-origin");
+    let cloned = snap_row(origin, false, "tank/pillar/pvc-3", "pillar-clone-origin");
+    f.expect(&LIST, ok(PVC1))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(&stale))
+        .expect(&["destroy", origin], ok(""))
+        .expect(&cut, ok(""))
+        .expect(&clone, ok(""))
+        .expect(&SNAPS, ok(&cloned))
+        .expect(&["destroy", "-d", origin], ok(""));
+    f.backend
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
+        .await
+        .unwrap();
+    f.done();
+
+    // A snapshot of that name that is not pillar's hidden origin is never destroyed.
+    f.expect(&LIST, ok(PVC1))
+        .expect(&LIST, ok(PVC1))
+        .expect(&SNAPS, ok(&snap_row(origin, false, "-", "-")));
+    let err = f
+        .backend
+        .create_from(&vol("pvc-3"), GIB, &from, CopyPolicy::AtOnce)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, BackendError::NotOwned { .. }), "{err:?}");
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent::engine::sync::SyncEngine;
-use pillar_agent::engine::uring::{MAX_OPS_PER_CHAIN, UringConfig, UringEngine};
+use pillar_agent::engine::uring::{IntakeGate, MAX_OPS_PER_CHAIN, UringConfig, UringEngine};
 use pillar_agent::engine::{DurableDir, DurableStep, Engine, EngineError, FaultInjection};
 use pillar_nvmet::{Executor, KernelExecutor, Op};
 
@@ -567,4 +567,72 @@ async fn a_failed_removal_is_reported() {
             engine.name()
         );
     }
+}
+
+// proves the engine's bound (issue 22, bounded resources): the queue into the ring thread holds
+// at most its limit of requests. With the ring thread held before it takes any request, the
+// engine takes `limit` requests and refuses the next at once with QueueFull, nothing of it
+// applied; once the thread runs, every request it took completes, and the places are given
+// back. With the bound removed (every request admitted) the refused request stays pending
+// behind the held thread and the test fails at that assertion.
+#[tokio::test]
+async fn a_full_engine_refuses_the_next_request_at_once_and_applies_nothing_of_it() {
+    use std::task::Poll;
+
+    const LIMIT: usize = 4;
+    let gate = Arc::new(IntakeGate::default());
+    let engine = Engine::Uring(
+        UringEngine::start(
+            UringConfig::default()
+                .with_queue_limit(LIMIT)
+                .with_intake_gate(Arc::clone(&gate)),
+        )
+        .expect("io_uring works on this machine"),
+    );
+    // Opens the gate however the test ends, so a failing assertion does not leave the engine's
+    // drop waiting for the held ring thread (dropped before the engine).
+    struct OpenOnDrop(Arc<IntakeGate>);
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            self.0.open();
+        }
+    }
+    let _open = OpenOnDrop(Arc::clone(&gate));
+    let queued = || match &engine {
+        Engine::Uring(e) => e.queued(),
+        Engine::Sync(_) => unreachable!(),
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = DurableDir::open(tmp.path()).unwrap();
+    let names: Vec<String> = (0..LIMIT).map(|i| format!("m{i}.json")).collect();
+    let mut taken: Vec<_> = names
+        .iter()
+        .map(|name| Box::pin(engine.replace_file(&dir, name, vec![b'x'; 64])))
+        .collect();
+    for request in &mut taken {
+        assert!(
+            futures::poll!(request.as_mut()).is_pending(),
+            "taken and waiting for the held ring thread"
+        );
+    }
+    assert_eq!(queued(), LIMIT);
+    let mut refused = Box::pin(engine.replace_file(&dir, "over.json", b"x".to_vec()));
+    match futures::poll!(refused.as_mut()) {
+        Poll::Ready(Err(EngineError::QueueFull { limit })) => assert_eq!(limit, LIMIT),
+        other => panic!("the request past the bound must be refused at once: {other:?}"),
+    }
+    assert_eq!(queued(), LIMIT, "a refused request takes no place");
+
+    gate.open();
+    for request in taken {
+        request.await.unwrap();
+    }
+    assert_eq!(queued(), 0, "every place given back with its answer");
+    let mut files = listing(dir.path());
+    files.retain(|f| !f.starts_with('.'));
+    assert_eq!(files, ["m0.json", "m1.json", "m2.json", "m3.json"]);
+    engine
+        .replace_file(&dir, "over.json", b"x".to_vec())
+        .await
+        .unwrap();
 }

@@ -136,7 +136,7 @@ pub fn agent_code(status: &Status) -> Code {
         R::InvalidRequest | R::UnsupportedByBackend => Code::InvalidArgument,
         R::UnknownPool | R::VolumeNotFound | R::SnapshotNotFound => Code::NotFound,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
-        R::WaitingForResync | R::NoNvmet => Code::Unavailable,
+        R::WaitingForResync | R::NoNvmet | R::Overloaded => Code::Unavailable,
         R::NotExported
         | R::StillExported
         | R::NoSafePlan

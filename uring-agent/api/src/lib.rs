@@ -43,7 +43,7 @@ pub fn code_of(reason: ErrorReason) -> Code {
         | R::SourceNotLive
         | R::SourceInUse => Code::FailedPrecondition,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
-        R::WaitingForResync | R::NoNvmet => Code::Unavailable,
+        R::WaitingForResync | R::NoNvmet | R::Overloaded => Code::Unavailable,
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
         R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {

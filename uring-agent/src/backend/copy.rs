@@ -8,9 +8,11 @@
 //! - The copy is a reflink (`FICLONE`: the file system shares the extents, and the kernel writes
 //!   back the source's dirty pages and holds its lock for the clone, so it is one point in time)
 //!   where the file system supports it, and a sparse-aware copy otherwise (`SEEK_DATA` /
-//!   `SEEK_HOLE`, each data run by `copy_file_range`). The caller learns which: a copy is
-//!   consistent only if nothing writes the source meanwhile, which the agent guarantees by
-//!   refusing a copy of a volume in use.
+//!   `SEEK_HOLE`, each data run by `copy_file_range`). The caller learns which: a sparse copy is
+//!   consistent only if nothing writes the source meanwhile, so the caller asks for a reflink
+//!   alone ([`CopyPolicy::AtOnce`]) when a host may be writing it: the decision is the copy
+//!   itself, of the very two files, so no probe of other files can misjudge it (another file
+//!   system mounted where the copy goes).
 //!
 //! This module and [`loopdev`](super::loopdev) are the backend's only `unsafe` code: the
 //! `FICLONE` ioctl and `lseek` with `SEEK_DATA`/`SEEK_HOLE`, each on descriptors of files this
@@ -60,10 +62,41 @@ fn at(step: &'static str, path: &Path) -> impl FnOnce(io::Error) -> CopyError {
     move |source| CopyError { step, path, source }
 }
 
+/// How a copy may be made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyPolicy {
+    /// A reflink, or a sparse copy where the file system cannot reflink the two files: for a
+    /// source nothing writes meanwhile.
+    AnyWay,
+    /// Only a reflink (one point in time): for a source a host may be writing. Where the file
+    /// system cannot reflink the two files, nothing is made and the copy fails
+    /// ([`CopyError::not_at_once`]).
+    AtOnce,
+}
+
+/// The step of a copy [`CopyPolicy::AtOnce`] refused.
+const NOT_AT_ONCE: &str =
+    "reflink the source (a copy of a volume in use must be one point in time)";
+
+impl CopyError {
+    /// Whether this is a [`CopyPolicy::AtOnce`] copy the file system could not make by reflink
+    /// (nothing was made).
+    pub fn not_at_once(&self) -> bool {
+        self.step == NOT_AT_ONCE
+    }
+}
+
 /// Whether `dir` supports reflinks: a probe clone of a one-block file, removed afterwards.
 pub fn reflink_supported(dir: &Path) -> Result<bool, CopyError> {
-    let source = dir.join(".pillar-reflink-probe.src");
-    let dest = dir.join(".pillar-reflink-probe.dst");
+    reflink_supported_between(dir, dir)
+}
+
+/// Whether a file in `from` can be reflinked to a file in `to` (two directories may lie on two
+/// file systems, and FICLONE works only within one): a probe clone of a one-block file made in
+/// `from` to one made in `to`, both removed afterwards.
+pub fn reflink_supported_between(from: &Path, to: &Path) -> Result<bool, CopyError> {
+    let source = from.join(".pillar-reflink-probe.src");
+    let dest = to.join(".pillar-reflink-probe.dst");
     let result = (|| {
         let src = OpenOptions::new()
             .read(true)
@@ -92,8 +125,15 @@ pub fn reflink_supported(dir: &Path) -> Result<bool, CopyError> {
 }
 
 /// Copies `source` to `dest` (which must not exist) durably, then makes it `len` bytes long
-/// (`len` at least the source's length: a restore into a larger volume). Returns how.
-pub fn durable_copy(source: &Path, dest: &Path, len: u64) -> Result<CopyMethod, CopyError> {
+/// (`len` at least the source's length: a restore into a larger volume), as `policy` allows.
+/// Returns how. The copy itself decides whether it is one point in time: a refused
+/// [`CopyPolicy::AtOnce`] copy leaves nothing behind.
+pub fn durable_copy(
+    source: &Path,
+    dest: &Path,
+    len: u64,
+    policy: CopyPolicy,
+) -> Result<CopyMethod, CopyError> {
     let dir = dest.parent().ok_or_else(|| CopyError {
         step: "find the copy's directory",
         path: dest.to_owned(),
@@ -122,6 +162,11 @@ pub fn durable_copy(source: &Path, dest: &Path, len: u64) -> Result<CopyMethod, 
         .map_err(at("create the temporary copy", &tmp))?;
     let method = match clone_file(&src, &dst) {
         Ok(()) => CopyMethod::Reflink,
+        Err(e) if no_reflink(&e) && policy == CopyPolicy::AtOnce => {
+            drop(dst);
+            fs::remove_file(&tmp).map_err(at("remove the temporary copy", &tmp))?;
+            return Err(at(NOT_AT_ONCE, dest)(e));
+        }
         Err(e) if no_reflink(&e) => {
             sparse_copy(&src, &dst, src_len).map_err(at("copy the data runs", &tmp))?;
             CopyMethod::SparseCopy
@@ -231,6 +276,18 @@ pub fn snapshot_dir(pool_dir: &Path) -> PathBuf {
     pool_dir.join(".snapshots")
 }
 
+/// The snapshot directory of a file-based pool, made (durably) if it is not there yet.
+pub fn ensure_snapshot_dir(pool_dir: &Path) -> Result<PathBuf, CopyError> {
+    let dir = snapshot_dir(pool_dir);
+    if !dir.is_dir() {
+        fs::create_dir_all(&dir).map_err(at("create the snapshot directory", &dir))?;
+        File::open(pool_dir)
+            .and_then(|d| d.sync_all())
+            .map_err(at("fsync the pool directory", pool_dir))?;
+    }
+    Ok(dir)
+}
+
 /// The file of snapshot `id` in a file-based pool.
 pub fn snapshot_file(pool_dir: &Path, id: &str) -> PathBuf {
     snapshot_dir(pool_dir).join(format!("{id}.img"))
@@ -261,12 +318,31 @@ pub fn find_snapshot(pool_dir: &Path, id: &VolumeId) -> Result<Option<SnapshotIn
     )
 }
 
-/// Cuts snapshot `id` of the volume file `source_file` in a file-based pool (idempotent).
+/// A copy error as the backend reports it: a refused [`CopyPolicy::AtOnce`] copy is
+/// [`BackendError::NotAtOnce`].
+fn copy_failed(volume: &VolumeId) -> impl FnOnce(CopyError) -> BackendError {
+    let volume = volume.clone();
+    move |e| {
+        if e.not_at_once() {
+            BackendError::NotAtOnce {
+                volume,
+                path: e.path,
+                source: e.source,
+            }
+        } else {
+            BackendError::Copy(e)
+        }
+    }
+}
+
+/// Cuts snapshot `id` of the volume file `source_file` in a file-based pool (idempotent), as
+/// `policy` allows.
 pub fn cut_snapshot(
     pool_dir: &Path,
     source: &VolumeId,
     source_file: &Path,
     id: &VolumeId,
+    policy: CopyPolicy,
 ) -> Result<SnapshotInfo, BackendError> {
     if let Some(existing) = find_snapshot(pool_dir, id)? {
         return Ok(existing);
@@ -276,15 +352,9 @@ pub fn cut_snapshot(
             volume: source.clone(),
         });
     }
-    let dir = snapshot_dir(pool_dir);
-    if !dir.is_dir() {
-        fs::create_dir_all(&dir).map_err(at("create the snapshot directory", &dir))?;
-        File::open(pool_dir)
-            .and_then(|d| d.sync_all())
-            .map_err(at("fsync the pool directory", pool_dir))?;
-    }
+    ensure_snapshot_dir(pool_dir)?;
     let file = snapshot_file(pool_dir, id.as_str());
-    let method = durable_copy(source_file, &file, 0)?;
+    let method = durable_copy(source_file, &file, 0, policy).map_err(copy_failed(source))?;
     tracing::info!(%source, snapshot = %id, method = method.as_str(), "cut snapshot");
     let (len, created) = stat_copy(&file)?.ok_or_else(|| CopyError {
         step: "stat the snapshot just made",
@@ -300,13 +370,15 @@ pub fn cut_snapshot(
 }
 
 /// Fills the volume file `dest` of a file-based pool with `source`'s content, `size` bytes
-/// long (already rounded), unless it exists (a retry: the caller's create checks its size).
+/// long (already rounded), as `policy` allows, unless it exists (a retry: the caller's create
+/// checks its size).
 pub fn fill_from(
     pool_dir: &Path,
     volume: &VolumeId,
     dest: &Path,
     size: u64,
     source: &ContentSource,
+    policy: CopyPolicy,
 ) -> Result<(), BackendError> {
     if stat_copy(dest)?.is_some() {
         return Ok(());
@@ -330,7 +402,7 @@ pub fn fill_from(
             requested: size,
         });
     }
-    let method = durable_copy(&from, dest, size)?;
+    let method = durable_copy(&from, dest, size, policy).map_err(copy_failed(source.id()))?;
     tracing::info!(%volume, source = %source.id(), method = method.as_str(), size, "filled a volume from its source");
     Ok(())
 }
@@ -365,7 +437,7 @@ mod tests {
         drop(f);
 
         let dest = dir.path().join("snap.img");
-        let method = durable_copy(&source, &dest, 128 << 20).unwrap();
+        let method = durable_copy(&source, &dest, 128 << 20, CopyPolicy::AnyWay).unwrap();
         let expected = if reflink_supported(dir.path()).unwrap() {
             CopyMethod::Reflink
         } else {
@@ -384,7 +456,7 @@ mod tests {
         // No temporary file is left, and an existing destination is never replaced.
         assert!(!dir.path().join(".snap.img.tmp").exists());
         fs::write(&source, b"other").unwrap();
-        let err = durable_copy(&source, &dest, 5).unwrap_err();
+        let err = durable_copy(&source, &dest, 5, CopyPolicy::AnyWay).unwrap_err();
         assert_eq!(err.source.kind(), io::ErrorKind::AlreadyExists, "{err}");
         assert_eq!(fs::metadata(&dest).unwrap().len(), 128 << 20);
     }
@@ -396,11 +468,16 @@ mod tests {
         fs::write(&source, b"hello").unwrap();
         fs::write(dir.path().join(".c.img.tmp"), b"half a copy from a crash").unwrap();
         let dest = dir.path().join("c.img");
-        durable_copy(&source, &dest, 5).unwrap();
+        durable_copy(&source, &dest, 5, CopyPolicy::AnyWay).unwrap();
         assert_eq!(fs::read(&dest).unwrap(), b"hello");
 
-        let err =
-            durable_copy(&dir.path().join("gone.img"), &dir.path().join("d.img"), 5).unwrap_err();
+        let err = durable_copy(
+            &dir.path().join("gone.img"),
+            &dir.path().join("d.img"),
+            5,
+            CopyPolicy::AnyWay,
+        )
+        .unwrap_err();
         assert_eq!(err.step, "open the copy's source");
         assert!(!dir.path().join("d.img").exists());
 

@@ -34,8 +34,8 @@ use pillar_nvmet::VolumeId;
 
 use super::loopdev::{self, Binding, Detach};
 use super::{
-    BackendError, Capacity, ContentSource, MIB, SnapshotInfo, VolumeInfo, checked_size, copy,
-    round_up,
+    BackendError, Capacity, ContentSource, CopyInto, CopyPolicy, MIB, SnapshotInfo, VolumeInfo,
+    checked_size, copy, round_up,
 };
 
 /// File name extension of backing files.
@@ -178,21 +178,34 @@ impl FileBackend {
         self.blocking(Inner::list).await
     }
 
-    /// Whether the pool's file system clones files by reflink (probed each time: a pool
-    /// directory can be remounted).
-    pub async fn reflinks(&self) -> Result<bool, BackendError> {
-        self.blocking(|inner| Ok(copy::reflink_supported(&inner.dir)?))
-            .await
+    /// Whether a volume file can be reflinked to where a copy `into` goes (probed each time:
+    /// a directory can be remounted, and `.snapshots` may be another file system).
+    pub async fn copies_at_once(&self, into: CopyInto) -> Result<bool, BackendError> {
+        self.blocking(move |inner| {
+            let to = match into {
+                CopyInto::Volume => inner.dir.clone(),
+                CopyInto::Snapshot => copy::ensure_snapshot_dir(&inner.dir)?,
+            };
+            Ok(copy::reflink_supported_between(&inner.dir, &to)?)
+        })
+        .await
     }
 
     pub async fn create_snapshot(
         &self,
         source: &VolumeId,
         snapshot: &VolumeId,
+        policy: CopyPolicy,
     ) -> Result<SnapshotInfo, BackendError> {
         let (source, snapshot) = (source.clone(), snapshot.clone());
         self.blocking(move |inner| {
-            copy::cut_snapshot(&inner.dir, &source, &inner.backing_file(&source), &snapshot)
+            copy::cut_snapshot(
+                &inner.dir,
+                &source,
+                &inner.backing_file(&source),
+                &snapshot,
+                policy,
+            )
         })
         .await
     }
@@ -218,11 +231,19 @@ impl FileBackend {
         volume: &VolumeId,
         size_bytes: u64,
         source: &ContentSource,
+        policy: CopyPolicy,
     ) -> Result<VolumeInfo, BackendError> {
         let size = checked_size(size_bytes, Self::GRANULARITY)?;
         let (v, source) = (volume.clone(), source.clone());
         self.blocking(move |inner| {
-            copy::fill_from(&inner.dir, &v, &inner.backing_file(&v), size, &source)
+            copy::fill_from(
+                &inner.dir,
+                &v,
+                &inner.backing_file(&v),
+                size,
+                &source,
+                policy,
+            )
         })
         .await?;
         self.create(volume, size).await

@@ -290,7 +290,17 @@ impl LvmBackend {
         checked_size(size_bytes, 1)?;
         let extent = self.known_extent_size().await?;
         let size = checked_size(size_bytes, extent)?;
-        if self.find(volume).await?.is_some() {
+        if let Some(row) = self.find(volume).await? {
+            // A retry: finish what the first call may have left undone. A restore or clone
+            // interrupted between its lvcreate and its lvextend (the thin pool full, a timeout,
+            // the agent killed) left the LV at its source's size; grow it as the first call
+            // would have. The agent's fencing admits this call only for the lifecycle that owns
+            // the volume ID, and the tag says pillar made the LV.
+            let row = self.owned(volume, row)?;
+            let existing = parse_bytes("lvs lv_size", &row.lv_size)?;
+            if existing < size {
+                return self.grow(volume, &row, existing, size).await;
+            }
             return self.create(volume, size).await;
         }
         let (origin, source_bytes) = match source {
@@ -507,7 +517,7 @@ impl LvmBackend {
         volume: &VolumeId,
         size_bytes: u64,
     ) -> Result<VolumeInfo, BackendError> {
-        let lv = self.lv_name(volume)?;
+        self.lv_name(volume)?;
         // Refuse absurd sizes before running anything; the extent rounding comes next.
         checked_size(size_bytes, 1)?;
         let extent = self.known_extent_size().await?;
@@ -526,15 +536,32 @@ impl LvmBackend {
                 requested: size,
             });
         }
+        self.grow(volume, &row, current, size).await
+    }
+
+    /// Grows the owned LV `row` of `volume` from `current` to `size` bytes (nothing when equal),
+    /// then answers as [`usable`](Self::usable).
+    async fn grow(
+        &self,
+        volume: &VolumeId,
+        row: &LvRow,
+        current: u64,
+        size: u64,
+    ) -> Result<VolumeInfo, BackendError> {
         if size > current {
             // lvextend resizes the active device-mapper table itself: the kernel sees the
             // new size when the command returns.
-            let args =
-                ["lvextend", "-L", &format!("{size}b"), &self.full_name(lv)].map(String::from);
+            let args = [
+                "lvextend",
+                "-L",
+                &format!("{size}b"),
+                &self.full_name(&row.lv_name),
+            ]
+            .map(String::from);
             self.run("lvextend", &args).await?;
             tracing::info!(%volume, from = current, to = size, "extended LV");
         }
-        self.usable(volume, &row, size).await
+        self.usable(volume, row, size).await
     }
 
     pub async fn delete(&self, volume: &VolumeId) -> Result<(), BackendError> {

@@ -43,6 +43,7 @@ use pillar_nvmet::VolumeId;
 pub use command::{
     CommandError, CommandOutput, CommandRunner, Reply, ScriptedRunner, SystemRunner,
 };
+pub use copy::CopyPolicy;
 pub use file::FileBackend;
 pub use lvm::LvmBackend;
 pub use plain::PlainFileBackend;
@@ -98,6 +99,15 @@ pub struct SnapshotInfo {
     pub created: std::time::SystemTime,
     /// How this call made it (`reflink`, `sparse-copy`, ...); `None` when it already existed.
     pub method: Option<&'static str>,
+}
+
+/// What a copy of a volume makes in its pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyInto {
+    /// A snapshot (file pools: under `<pool>/.snapshots/`).
+    Snapshot,
+    /// A volume (a clone; file pools: beside its source).
+    Volume,
 }
 
 /// Where a new volume's content comes from.
@@ -222,6 +232,16 @@ pub enum BackendError {
     },
     #[error("copying for a snapshot or clone")]
     Copy(#[from] copy::CopyError),
+    #[error(
+        "{volume} may be in use and {path} cannot be made from it by reflink (one point in time); \
+         a copy run by run is refused"
+    )]
+    NotAtOnce {
+        volume: VolumeId,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("a blocking task of the file backend was cancelled")]
     Cancelled(#[source] tokio::task::JoinError),
 }
@@ -381,12 +401,15 @@ impl Backend {
         }
     }
 
-    /// Whether a snapshot or clone of a volume being written is one point in time (the
-    /// backend's snapshot is atomic); `Err` when the pool takes no snapshots at all.
-    pub async fn snapshots_are_point_in_time(&self) -> Result<bool, BackendError> {
+    /// Whether a copy of a volume into a snapshot or a volume of this pool (`into`) can be one
+    /// point in time, probed between the directories the copy would use (file pools: the
+    /// volume's and the destination's, which may lie on two file systems; dm-thin and ZFS
+    /// snapshots are atomic); `Err` when the pool takes no snapshots at all. A probe answers
+    /// for other files: the copy itself ([`CopyPolicy::AtOnce`]) still decides.
+    pub async fn copies_at_once(&self, into: CopyInto) -> Result<bool, BackendError> {
         match self {
-            Self::File(b) => b.reflinks().await,
-            Self::PlainFile(b) => b.reflinks().await,
+            Self::File(b) => b.copies_at_once(into).await,
+            Self::PlainFile(b) => b.copies_at_once(into).await,
             // dm-thin snapshots are atomic (the origin is suspended and flushed for them).
             Self::Lvm(b) => b.snapshots_supported().map(|()| true),
             Self::Zfs(b) => b.snapshots_supported().map(|()| true),
@@ -394,15 +417,17 @@ impl Backend {
     }
 
     /// Cuts `snapshot` of `source`, or returns it if it exists (of whatever source: the
-    /// caller's fencing names one lifecycle per snapshot ID).
+    /// caller's fencing names one lifecycle per snapshot ID). A file pool copies as `policy`
+    /// allows; dm-thin and ZFS snapshots are one point in time whatever it says.
     pub async fn create_snapshot(
         &self,
         source: &VolumeId,
         snapshot: &VolumeId,
+        policy: CopyPolicy,
     ) -> Result<SnapshotInfo, BackendError> {
         match self {
-            Self::File(b) => b.create_snapshot(source, snapshot).await,
-            Self::PlainFile(b) => b.create_snapshot(source, snapshot).await,
+            Self::File(b) => b.create_snapshot(source, snapshot, policy).await,
+            Self::PlainFile(b) => b.create_snapshot(source, snapshot, policy).await,
             Self::Lvm(b) => b.create_snapshot(source, snapshot).await,
             Self::Zfs(b) => b.create_snapshot(source, snapshot).await,
         }
@@ -433,16 +458,18 @@ impl Backend {
 
     /// Creates `volume` holding `source`'s content, at least `size_bytes` (grown past the
     /// source's size; smaller than the source is [`BackendError::SmallerThanSource`]), or
-    /// returns it if it exists with that size.
+    /// returns it if it exists with that size. A file pool copies as `policy` allows; dm-thin
+    /// and ZFS clones are one point in time whatever it says.
     pub async fn create_from(
         &self,
         volume: &VolumeId,
         size_bytes: u64,
         source: &ContentSource,
+        policy: CopyPolicy,
     ) -> Result<VolumeInfo, BackendError> {
         match self {
-            Self::File(b) => b.create_from(volume, size_bytes, source).await,
-            Self::PlainFile(b) => b.create_from(volume, size_bytes, source).await,
+            Self::File(b) => b.create_from(volume, size_bytes, source, policy).await,
+            Self::PlainFile(b) => b.create_from(volume, size_bytes, source, policy).await,
             Self::Lvm(b) => b.create_from(volume, size_bytes, source).await,
             Self::Zfs(b) => b.create_from(volume, size_bytes, source).await,
         }

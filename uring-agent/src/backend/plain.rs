@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use pillar_nvmet::VolumeId;
 
 use super::{
-    BackendError, Capacity, ContentSource, MIB, SnapshotInfo, VolumeInfo, checked_size, copy,
-    round_up,
+    BackendError, Capacity, ContentSource, CopyInto, CopyPolicy, MIB, SnapshotInfo, VolumeInfo,
+    checked_size, copy, round_up,
 };
 
 /// Sparse files exported directly.
@@ -85,20 +85,30 @@ impl PlainFileBackend {
         }
     }
 
-    /// Whether the directory's file system clones files by reflink.
-    pub async fn reflinks(&self) -> Result<bool, BackendError> {
-        self.blocking(|me| Ok(copy::reflink_supported(&me.dir)?))
-            .await
+    /// Whether a volume file can be reflinked to where a copy `into` goes (probed each time:
+    /// a directory can be remounted, and `.snapshots` may be another file system).
+    pub async fn copies_at_once(&self, into: CopyInto) -> Result<bool, BackendError> {
+        self.blocking(move |me| {
+            let to = match into {
+                CopyInto::Volume => me.dir.clone(),
+                CopyInto::Snapshot => copy::ensure_snapshot_dir(&me.dir)?,
+            };
+            Ok(copy::reflink_supported_between(&me.dir, &to)?)
+        })
+        .await
     }
 
     pub async fn create_snapshot(
         &self,
         source: &VolumeId,
         snapshot: &VolumeId,
+        policy: CopyPolicy,
     ) -> Result<SnapshotInfo, BackendError> {
         let (source, snapshot) = (source.clone(), snapshot.clone());
-        self.blocking(move |me| copy::cut_snapshot(&me.dir, &source, &me.path(&source), &snapshot))
-            .await
+        self.blocking(move |me| {
+            copy::cut_snapshot(&me.dir, &source, &me.path(&source), &snapshot, policy)
+        })
+        .await
     }
 
     pub async fn lookup_snapshot(
@@ -122,10 +132,11 @@ impl PlainFileBackend {
         volume: &VolumeId,
         size_bytes: u64,
         source: &ContentSource,
+        policy: CopyPolicy,
     ) -> Result<VolumeInfo, BackendError> {
         let size = checked_size(size_bytes, MIB)?;
         let (v, source) = (volume.clone(), source.clone());
-        self.blocking(move |me| copy::fill_from(&me.dir, &v, &me.path(&v), size, &source))
+        self.blocking(move |me| copy::fill_from(&me.dir, &v, &me.path(&v), size, &source, policy))
             .await?;
         self.create(volume, size).await
     }

@@ -7,7 +7,8 @@
 //! destroyed. A zvol of that name without it is [`BackendError::NotOwned`].
 //!
 //! Snapshots are `<zvol>@<snapshot-id>` marked [`SNAPSHOT_OWNER`]; restores are `zfs clone`s
-//! of them and clones `zfs clone`s of a hidden `<zvol>@clone:<clone>` snapshot. ZFS ties
+//! of them and clones `zfs clone`s of a hidden `<zvol>@clone:<clone>` snapshot, cut by the
+//! attempt that makes the clone (one a failed attempt left is destroyed first). ZFS ties
 //! them together: a zvol is destroyed only once no snapshot and no clone depends on it
 //! ([`BackendError::HasDependents`] names which does), a deleted snapshot with restored
 //! volumes stays (`defer_destroy`) until they are gone, invisible to lookups. Restored and
@@ -288,25 +289,40 @@ impl ZfsBackend {
         self.info(volume, size).await
     }
 
-    /// The hidden snapshot `<zvol>@clone:<clone>` a clone is made from, cut if absent.
+    /// The hidden snapshot `<zvol>@clone:<clone>` a clone is made from, cut now. Called only
+    /// while the clone does not exist: one found is left by an attempt whose `zfs clone`
+    /// failed, maybe long ago (or by an earlier lifecycle of the same volume ID), and holds the
+    /// source as it was then; it is destroyed and cut anew, so the clone holds the source as it
+    /// is when the clone is made. A snapshot of that name that is not pillar's hidden origin,
+    /// or one something was cloned from, is left alone and refused.
     async fn clone_origin(&self, zvol: &str, clone: &VolumeId) -> Result<String, BackendError> {
         let short = format!("{CLONE_ORIGIN_PREFIX}{clone}");
         let full = self.snapshot_name(zvol, &short, clone)?;
-        let exists = self
+        let found = self
             .snapshots()
             .await?
             .into_iter()
-            .any(|s| s.zvol == zvol && s.short == short);
-        if !exists {
-            let args = [
-                "snapshot",
-                "-o",
-                &format!("{OWNER_PROPERTY}={CLONE_ORIGIN_OWNER}"),
-                &full,
-            ]
-            .map(String::from);
-            self.run("zfs snapshot (clone origin)", &args).await?;
+            .find(|s| s.zvol == zvol && s.short == short);
+        if let Some(stale) = found {
+            if stale.owner != CLONE_ORIGIN_OWNER || !stale.clones.is_empty() || stale.deferred {
+                return Err(BackendError::NotOwned {
+                    volume: clone.clone(),
+                    object: format!("snapshot {full}"),
+                    reason: "not an unused hidden clone origin pillar cut",
+                });
+            }
+            let args = ["destroy", &full].map(String::from);
+            self.run("zfs destroy (stale clone origin)", &args).await?;
+            tracing::info!(%clone, origin = %full, "destroyed the hidden origin of a failed clone attempt");
         }
+        let args = [
+            "snapshot",
+            "-o",
+            &format!("{OWNER_PROPERTY}={CLONE_ORIGIN_OWNER}"),
+            &full,
+        ]
+        .map(String::from);
+        self.run("zfs snapshot (clone origin)", &args).await?;
         Ok(full)
     }
 

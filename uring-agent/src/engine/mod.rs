@@ -86,6 +86,11 @@ pub enum EngineError {
     Stopped,
     #[error("the kernel refused an io_uring submission")]
     Submit { source: io::Error },
+    #[error(
+        "the io_uring engine already holds {limit} requests; refused (the node is overloaded, \
+         retry later)"
+    )]
+    QueueFull { limit: usize },
     #[error(transparent)]
     Configfs(#[from] ApplyError),
     #[error("blocking task failed")]

@@ -10,14 +10,19 @@
 //!   copy is done, so the source cannot be deleted, granted or restored meanwhile.
 //! - Lock order: volume locks (by ID) before snapshot locks, so no two operations wait on each
 //!   other in a cycle.
-//! - A backend whose snapshot is a copy (a file pool without reflink) copies a volume only while
-//!   no host can write it (its namespace disabled: no host admitted, W7). The volume lock held
-//!   across the check and the copy keeps a grant out until the copy is done.
+//! - A backend whose snapshot is a copy (a file pool) copies a volume a host may write (a
+//!   namespace enabled) only by reflink, one point in time: the copy itself decides, between
+//!   the very two files, and a copy that cannot be a reflink is refused, never made run by run.
+//!   A volume no host can write (its namespace disabled: no host admitted, W7) is copied any
+//!   way. The volume lock held across the check and the copy keeps a grant out until the copy
+//!   is done.
 
 use pillar_nvmet::VolumeId;
 
 use super::{Agent, AgentError, VolumeSize};
-use crate::backend::{Backend, ContentSource, SnapshotInfo, VolumeInfo};
+use crate::backend::{
+    Backend, BackendError, ContentSource, CopyInto, CopyPolicy, SnapshotInfo, VolumeInfo,
+};
 use crate::fence::{Intent, MarkStore, Token};
 
 impl Agent {
@@ -48,7 +53,10 @@ impl Agent {
                 Some(mark) if token.as_ref().is_some_and(|t| t.uid == mark.owner_uid) => {
                     self.commit_in(&self.snapshot_marks, snapshot, decision)
                         .await?;
-                    return Ok(backend.create_snapshot(source, snapshot).await?);
+                    // Cut already: returned as it is, no copy is made.
+                    return Ok(backend
+                        .create_snapshot(source, snapshot, CopyPolicy::AtOnce)
+                        .await?);
                 }
                 // Left by a delete interrupted after its mark ended the old lifecycle: that
                 // lifecycle is over, so its content goes before the new one is cut.
@@ -61,10 +69,15 @@ impl Agent {
             }
         }
         live(&self.marks, "volume", source, source_uid)?;
-        self.refuse_copy_in_use(backend, source, pool).await?;
+        let policy = self
+            .copy_policy(backend, source, pool, CopyInto::Snapshot)
+            .await?;
         self.commit_in(&self.snapshot_marks, snapshot, decision)
             .await?;
-        Ok(backend.create_snapshot(source, snapshot).await?)
+        backend
+            .create_snapshot(source, snapshot, policy)
+            .await
+            .map_err(|e| in_use(e, source, pool))
     }
 
     /// Ends `snapshot`'s lifecycle and removes it. Idempotent.
@@ -130,6 +143,8 @@ impl Agent {
             }
         };
         let decision = self.check(volume, token.as_ref(), Intent::Create)?;
+        // A snapshot is never written: any copy of it is one point in time.
+        let mut policy = CopyPolicy::AnyWay;
         if backend.lookup(volume).await?.is_none() {
             match source {
                 ContentSource::Snapshot(id) => {
@@ -137,40 +152,65 @@ impl Agent {
                 }
                 ContentSource::Volume(id) => {
                     live(&self.marks, "volume", id, source_uid)?;
-                    self.refuse_copy_in_use(backend, id, pool).await?;
+                    policy = self
+                        .copy_policy(backend, id, pool, CopyInto::Volume)
+                        .await?;
                 }
             }
         }
         self.commit(volume, decision).await?;
-        Ok(backend.create_from(volume, size.bytes(), source).await?)
+        backend
+            .create_from(volume, size.bytes(), source, policy)
+            .await
+            .map_err(|e| in_use(e, source.id(), pool))
     }
 
-    /// Where the backend's copy is not one point in time (a file pool without reflink), refuses
-    /// when any namespace of `volume` is enabled: a host may be writing it. The probe runs only
-    /// here, when a live volume is about to be copied.
-    async fn refuse_copy_in_use(
+    /// How a copy of `volume` into `into` may be made: any way while no namespace of it is
+    /// enabled (no host admitted, W7: nobody writes it), only as one point in time otherwise.
+    /// Refused at once, before the caller's mark moves, where a probe between the directories
+    /// the copy uses says the pool cannot copy at once; the copy itself still decides
+    /// ([`CopyPolicy::AtOnce`]: refused, not copied run by run).
+    async fn copy_policy(
         &self,
         backend: &Backend,
         volume: &VolumeId,
         pool: &str,
-    ) -> Result<(), AgentError> {
-        if backend.snapshots_are_point_in_time().await? {
-            return Ok(());
-        }
+        into: CopyInto,
+    ) -> Result<CopyPolicy, AgentError> {
         let nqn = volume.subsystem_nqn();
-        let guard = self.target.shared().await;
-        let state = self.target.read_back(&guard, nqn.as_str()).await?;
-        let in_use = state
-            .subsystems
-            .get(nqn.as_str())
-            .is_some_and(|s| s.namespaces.values().any(|ns| ns.enabled));
-        if in_use {
+        let in_use = {
+            let guard = self.target.shared().await;
+            let state = self.target.read_back(&guard, nqn.as_str()).await?;
+            state
+                .subsystems
+                .get(nqn.as_str())
+                .is_some_and(|s| s.namespaces.values().any(|ns| ns.enabled))
+        };
+        if !in_use {
+            return Ok(CopyPolicy::AnyWay);
+        }
+        if !backend.copies_at_once(into).await? {
             return Err(AgentError::SourceInUse {
                 volume: volume.to_string(),
                 pool: pool.to_owned(),
             });
         }
-        Ok(())
+        Ok(CopyPolicy::AtOnce)
+    }
+}
+
+/// A copy refused because it could not be one point in time ([`BackendError::NotAtOnce`]) is
+/// the caller's [`AgentError::SourceInUse`].
+fn in_use(e: BackendError, volume: &VolumeId, pool: &str) -> AgentError {
+    match e {
+        BackendError::NotAtOnce { .. } => {
+            tracing::warn!(%volume, error = %e, "a copy of a volume in use could not be made at once");
+            AgentError::SourceInUse {
+                volume: volume.to_string(),
+                pool: pool.to_owned(),
+            }
+        }
+        other => other.into(),
     }
 }
 

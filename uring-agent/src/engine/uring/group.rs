@@ -109,6 +109,13 @@ mod tests {
 
     use super::*;
 
+    /// A reply and its receiver, outside any engine's bound.
+    fn reply() -> (Reply, oneshot::Receiver<Result<(), EngineError>>) {
+        let (tx, rx) = oneshot::channel();
+        let permit = super::super::admission::Admission::new(1).admit().unwrap();
+        (Reply::new(tx, permit), rx)
+    }
+
     fn path() -> PathBuf {
         PathBuf::from("/state/a.json")
     }
@@ -135,10 +142,10 @@ mod tests {
         group.add_member();
         assert!(group.accepts());
         group.add_member();
-        let (first, _first_rx) = oneshot::channel();
+        let (first, _first_rx) = reply();
         assert!(!group.member_finished(first, path(), Ok(())));
         assert!(group.accepts(), "one member still in the ring");
-        let (second, _second_rx) = oneshot::channel();
+        let (second, _second_rx) = reply();
         assert!(group.member_finished(second, path(), Ok(())));
         assert!(!group.accepts(), "every member finished: the fsync is due");
 
@@ -155,8 +162,8 @@ mod tests {
         let mut group = group();
         group.add_member();
         group.add_member();
-        let (first, mut first_rx) = oneshot::channel();
-        let (second, mut second_rx) = oneshot::channel();
+        let (first, mut first_rx) = reply();
+        let (second, mut second_rx) = reply();
         assert!(!group.member_finished(first, path(), Ok(())));
         assert!(
             group.member_finished(second, path(), Ok(())),
@@ -178,8 +185,8 @@ mod tests {
         let mut group = group();
         group.add_member();
         group.add_member();
-        let (good, _good_rx) = oneshot::channel();
-        let (bad, _bad_rx) = oneshot::channel();
+        let (good, _good_rx) = reply();
+        let (bad, _bad_rx) = reply();
         let own = EngineError::Step {
             step: DurableStep::Rename,
             path: path(),

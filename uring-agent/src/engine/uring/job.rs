@@ -13,10 +13,33 @@ use std::sync::Arc;
 use pillar_nvmet::{ApplyError, Op};
 use tokio::sync::oneshot;
 
+use super::admission::Permit;
 use crate::engine::{DurableDir, DurableStep, EngineError, c_path, temp_name};
 
-/// Where a request's answer goes. Dropped unanswered only when the caller went away.
-pub(super) type Reply = oneshot::Sender<Result<(), EngineError>>;
+/// Where a request's answer goes, with the request's place in the engine's bound
+/// ([`Permit`]): the place is given back when the reply is sent or dropped, whether or not the
+/// caller still waits, so the bound counts every request the ring thread holds.
+pub(super) struct Reply {
+    tx: oneshot::Sender<Result<(), EngineError>>,
+    _permit: Permit,
+}
+
+impl Reply {
+    pub(super) fn new(tx: oneshot::Sender<Result<(), EngineError>>, permit: Permit) -> Self {
+        Self {
+            tx,
+            _permit: permit,
+        }
+    }
+
+    /// Sends the answer; `Err` with it when the caller went away.
+    pub(super) fn send(
+        self,
+        result: Result<(), EngineError>,
+    ) -> Result<(), Result<(), EngineError>> {
+        self.tx.send(result)
+    }
+}
 
 /// Answers a request. The caller may have given up waiting; then there is no one to tell.
 pub(super) fn answer(reply: Reply, result: Result<(), EngineError>) {

@@ -21,6 +21,9 @@
 //!   mkdir, symlink, unlink or rmdir, so the plan stops at its first failure.
 //! - A push the kernel refuses is never dropped: a busy queue (`EBUSY`/`EAGAIN`) waits for the
 //!   next round, any other error answers the request with [`EngineError::Submit`].
+//! - Bounded: the engine holds at most [`MAX_QUEUED`] requests (sent and not yet answered,
+//!   counted by each request's `admission::Permit`, which goes with its reply); one more is
+//!   refused at once with [`EngineError::QueueFull`], before anything of it is sent.
 //!
 //! The modules, by concept:
 //! - `probe`: the ring is created disabled, its opcodes probed, then restricted to exactly the
@@ -29,9 +32,11 @@
 //! - `chain`: pure chain builders (entries, their steps, link flags), and which opcodes' failures
 //!   cancel a chain.
 //! - `flight`: pure bookkeeping (user data, chain completions, slots); `group`: group commit.
+//! - `admission`: the bound on the requests held.
 //! - `queue`: pushes and submits, and the eventfd. With one push in `ring`, the only `unsafe`.
 //! - `ring`: the ring thread's loop.
 
+mod admission;
 mod chain;
 mod flight;
 mod group;
@@ -42,7 +47,7 @@ mod ring;
 
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use pillar_nvmet::Op;
@@ -51,6 +56,7 @@ use tokio::sync::oneshot;
 pub use chain::MAX_OPS_PER_CHAIN;
 
 use super::{BatchObserver, DurableDir, EngineError, EngineStats, FaultInjection};
+use admission::Admission;
 use chain::ChainOptions;
 use flight::SlotPool;
 use job::{ConfigfsJob, DurableJob, DurableKind, Job, Reply, prepare_plan};
@@ -61,17 +67,79 @@ use ring::RingThread;
 const RING_ENTRIES: u32 = 256;
 /// Direct-descriptor slots: one per request in flight that opens a file.
 const FILE_SLOTS: u32 = 64;
+/// How many requests the engine holds at once by default (sent to the ring thread and not yet
+/// answered); one more is refused with [`EngineError::QueueFull`]. Far above what the agent
+/// sends in normal work (a resync applies 64 exports at once, each request waits for its own
+/// answer before its next), so only an overload meets it; each held request is a few hundred
+/// bytes to a few KiB (paths, a mark, a configfs plan).
+pub const MAX_QUEUED: usize = 4096;
 
 /// Options of the io_uring engine.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct UringConfig {
     fault: FaultInjection,
     batch_observer: Option<BatchObserver>,
+    queue_limit: usize,
+    intake: Option<Arc<IntakeGate>>,
     #[cfg(feature = "fault-injection")]
     submit_failures: Option<queue::SubmitFailures>,
 }
 
+impl Default for UringConfig {
+    fn default() -> Self {
+        Self {
+            fault: FaultInjection::default(),
+            batch_observer: None,
+            queue_limit: MAX_QUEUED,
+            intake: None,
+            #[cfg(feature = "fault-injection")]
+            submit_failures: None,
+        }
+    }
+}
+
+/// A gate the ring thread waits at before it takes its first request, until opened: a test
+/// fills the engine's queue while nothing drains it.
+#[derive(Debug, Default)]
+pub struct IntakeGate {
+    open: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl IntakeGate {
+    /// Lets the ring thread go on.
+    pub fn open(&self) {
+        *self.open.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        self.changed.notify_all();
+    }
+
+    fn wait(&self) {
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        while !*open {
+            open = self
+                .changed
+                .wait(open)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
 impl UringConfig {
+    /// Holds at most `limit` requests at once (at least 1); [`MAX_QUEUED`] by default.
+    #[must_use]
+    pub fn with_queue_limit(mut self, limit: usize) -> Self {
+        self.queue_limit = limit.max(1);
+        self
+    }
+
+    /// The ring thread takes no request until `gate` is opened (tests of the bound).
+    #[cfg(feature = "fault-injection")]
+    #[must_use]
+    pub fn with_intake_gate(mut self, gate: Arc<IntakeGate>) -> Self {
+        self.intake = Some(gate);
+        self
+    }
+
     /// Reports each submission's size to `observer`.
     #[must_use]
     pub fn with_batch_observer(mut self, observer: BatchObserver) -> Self {
@@ -102,6 +170,7 @@ impl std::fmt::Debug for UringConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UringConfig")
             .field("fault", &self.fault)
+            .field("queue_limit", &self.queue_limit)
             .finish_non_exhaustive()
     }
 }
@@ -139,6 +208,7 @@ impl Sleep {
 #[derive(Debug)]
 pub struct UringEngine {
     tx: Mutex<Option<Sender<Job>>>,
+    admission: Arc<Admission>,
     wake: Arc<EventFd>,
     sleep: Arc<Sleep>,
     stats: Arc<EngineStats>,
@@ -175,12 +245,19 @@ impl UringEngine {
             options,
             Arc::clone(&stats),
         );
+        let intake = config.intake;
         let handle = std::thread::Builder::new()
             .name("pillar-uring".into())
-            .spawn(move || thread.run())
+            .spawn(move || {
+                if let Some(gate) = intake {
+                    gate.wait();
+                }
+                thread.run();
+            })
             .map_err(|e| probe::unavailable("spawning the ring thread", &e))?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
+            admission: Admission::new(config.queue_limit),
             wake,
             sleep,
             stats,
@@ -192,9 +269,17 @@ impl UringEngine {
         &self.stats
     }
 
-    /// Hands the request `job(reply)` to the ring thread and waits for its answer.
+    /// Requests the engine holds now (sent to the ring thread and not yet answered).
+    pub fn queued(&self) -> usize {
+        self.admission.held()
+    }
+
+    /// Hands the request `job(reply)` to the ring thread and waits for its answer; refused at
+    /// once, with nothing sent, when the engine already holds as many requests as its bound.
     async fn submit(&self, job: impl FnOnce(Reply) -> Job) -> Result<(), EngineError> {
-        let (reply, rx) = oneshot::channel();
+        let permit = self.admission.admit()?;
+        let (tx, rx) = oneshot::channel();
+        let reply = Reply::new(tx, permit);
         {
             let guard = self.tx.lock().map_err(|_| EngineError::Stopped)?;
             let tx = guard.as_ref().ok_or(EngineError::Stopped)?;
