@@ -19,8 +19,9 @@ use std::time::Duration;
 
 use pillar_agent_api::v1::FILE_DESCRIPTOR_SET;
 use pillar_agent_api::v1::agent_server::AgentServer;
+use pillar_grpc_unix::{AcceptOptions, ConnectInfo, Incoming, Listener};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic::transport::Server;
 use tonic::{Request, Status};
 
 use crate::backend::{Backend, BackendError, PoolConfig, SystemRunner};
@@ -98,7 +99,7 @@ pub enum ServerError {
         source: std::io::Error,
     },
     #[error("TLS configuration rejected")]
-    Tls(#[source] tonic::transport::Error),
+    Tls(#[source] pillar_grpc_unix::tls::TlsConfigError),
     #[error("starting the engine")]
     Engine(#[from] EngineError),
     #[error("opening the target")]
@@ -186,11 +187,14 @@ fn certificate_names(der: &[u8]) -> Vec<String> {
     names
 }
 
-/// Authorises each call by the client certificate's identity.
+/// Authorises each call by the client certificate's identity, from the connection's TLS
+/// session (the same on a unix socket as on TCP).
 fn authorize(expected: Arc<str>) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
     move |req: Request<()>| {
         let certs = req
-            .peer_certs()
+            .extensions()
+            .get::<ConnectInfo>()
+            .and_then(ConnectInfo::peer_certs)
             .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
         let leaf = certs
             .first()
@@ -235,6 +239,58 @@ async fn serve_metrics(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<(), Se
     Ok(())
 }
 
+/// The mTLS configuration `config` asks for, or none where plaintext is asked for explicitly.
+fn server_tls(
+    config: &ServerConfig,
+) -> Result<Option<Arc<pillar_grpc_unix::rustls::ServerConfig>>, ServerError> {
+    match (&config.tls, config.insecure_plaintext) {
+        (Some(tls), _) => pillar_grpc_unix::tls::mtls_server_config(
+            &read(&tls.cert)?,
+            &read(&tls.key)?,
+            &read(&tls.client_ca)?,
+        )
+        .map(Some)
+        .map_err(ServerError::Tls),
+        (None, true) => {
+            tracing::warn!("serving gRPC without TLS (--insecure-plaintext)");
+            Ok(None)
+        }
+        (None, false) => Err(ServerError::NoTls),
+    }
+}
+
+/// Binds the gRPC listener.
+async fn bind(listen: &Listen) -> Result<Listener, ServerError> {
+    match listen {
+        Listen::Unix(path) => {
+            // A socket left by a previous run would make bind fail.
+            let _ = std::fs::remove_file(path);
+            if let Some(parent) = path.parent() {
+                let _ = std::fs::create_dir_all(parent);
+            }
+            let listener =
+                tokio::net::UnixListener::bind(path).map_err(|source| ServerError::Bind {
+                    what: path.display().to_string(),
+                    source,
+                })?;
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+            tracing::info!(socket = %path.display(), "serving gRPC");
+            Ok(Listener::Unix(listener))
+        }
+        Listen::Tcp(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    what: addr.to_string(),
+                    source,
+                })?;
+            tracing::info!(%addr, "serving gRPC");
+            Ok(Listener::Tcp(listener))
+        }
+    }
+}
+
 /// Builds the agent and serves it until `shutdown` completes.
 pub async fn serve(
     config: ServerConfig,
@@ -253,15 +309,12 @@ pub async fn serve(
         .build_v1()
         .map_err(ServerError::Reflection)?;
     let service = AgentService::new(agent, metrics);
+    let tls = server_tls(&config)?;
     let mut builder = Server::builder();
-    let router = match (&config.tls, config.insecure_plaintext) {
-        (Some(tls), _) => {
-            let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
-            let tls_config = ServerTlsConfig::new()
-                .identity(identity)
-                .client_ca_root(Certificate::from_pem(read(&tls.client_ca)?));
-            builder = builder.tls_config(tls_config).map_err(ServerError::Tls)?;
-            let expected: Arc<str> = tls.authorized_client.as_str().into();
+    // `tls` is there exactly where `config.tls` is.
+    let router = match &config.tls {
+        Some(files) => {
+            let expected: Arc<str> = files.authorized_client.as_str().into();
             // Reflection describes the API to whoever asks: only to the authorised client too.
             builder
                 .add_service(AgentServer::with_interceptor(
@@ -270,42 +323,23 @@ pub async fn serve(
                 ))
                 .add_service(InterceptedService::new(reflection, authorize(expected)))
         }
-        (None, true) => {
-            tracing::warn!("serving gRPC without TLS (--insecure-plaintext)");
-            builder
-                .add_service(AgentServer::new(service))
-                .add_service(reflection)
-        }
-        (None, false) => return Err(ServerError::NoTls),
+        None => builder
+            .add_service(AgentServer::new(service))
+            .add_service(reflection),
     };
-    match &config.listen {
-        Listen::Unix(path) => {
-            // A socket left by a previous run would make bind fail.
-            let _ = std::fs::remove_file(path);
-            if let Some(parent) = path.parent() {
-                let _ = std::fs::create_dir_all(parent);
-            }
-            let listener =
-                tokio::net::UnixListener::bind(path).map_err(|source| ServerError::Bind {
-                    what: path.display().to_string(),
-                    source,
-                })?;
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
-            tracing::info!(socket = %path.display(), "serving gRPC");
-            // Every client's authority accepted (C-core clients send the socket path).
-            let incoming = pillar_grpc_unix::incoming(listener);
-            router
-                .serve_with_incoming_shutdown(incoming, shutdown)
-                .await
-                .map_err(ServerError::Serve)
-        }
-        Listen::Tcp(addr) => {
-            tracing::info!(%addr, "serving gRPC");
-            router
-                .serve_with_shutdown(*addr, shutdown)
-                .await
-                .map_err(ServerError::Serve)
-        }
-    }
+    let limits = pillar_grpc_unix::Limits::default();
+    // On a unix socket every client's authority is accepted (C-core clients send the socket
+    // path), read under TLS where TLS is used.
+    let incoming = Incoming::new(
+        bind(&config.listen).await?,
+        AcceptOptions {
+            tls,
+            max_connections: limits.max_connections,
+            handshake_timeout: limits.handshake_timeout,
+        },
+    );
+    router
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+        .map_err(ServerError::Serve)
 }
