@@ -3,9 +3,13 @@
 //!
 //! Invariants:
 //! - At most `max_connections` connections are open or handshaking at once: each holds a
-//!   permit from accept until the server drops it. A connection beyond is accepted and closed at
-//!   once (after a GOAWAY with REFUSED_STREAM where it is plaintext, which gRPC clients report as
-//!   UNAVAILABLE); nothing waits in a queue of this process beyond the listen backlog.
+//!   permit from accept until the server drops it. A connection beyond is accepted and refused
+//!   at once; nothing waits in a queue of this process beyond the listen backlog. A plaintext
+//!   one is answered SETTINGS and GOAWAY(REFUSED_STREAM), which gRPC clients report as
+//!   UNAVAILABLE, and kept until the client closes it or [`REFUSAL_LINGER`] passed (closed
+//!   earlier, the client's request would fail writing, without the reason), at most
+//!   [`MAX_LINGERING`] at once (beyond, closed at once); a TLS one is closed at once (the
+//!   client's TLS connect fails: UNAVAILABLE).
 //! - A TLS handshake runs in its own task and ends within `handshake_timeout`, so a client that
 //!   stops mid-handshake holds its permit no longer than that and never blocks the accept loop.
 //! - On a unix socket the rewriter reads the decrypted stream: it never sees TLS records.
@@ -22,7 +26,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -57,8 +61,8 @@ impl Default for AcceptOptions {
     fn default() -> Self {
         Self {
             tls: None,
-            max_connections: crate::Limits::DEFAULT_MAX_CONNECTIONS,
-            handshake_timeout: Duration::from_secs(crate::Limits::DEFAULT_HANDSHAKE_TIMEOUT_SECS),
+            max_connections: crate::Limits::DEFAULT.max_connections,
+            handshake_timeout: crate::Limits::DEFAULT.handshake_timeout(),
         }
     }
 }
@@ -148,6 +152,11 @@ impl AsyncWrite for Connection {
     }
 }
 
+/// How long a refused plaintext connection is kept for its client to read the refusal.
+pub const REFUSAL_LINGER: Duration = Duration::from_secs(1);
+/// Refused connections kept at once for their clients to read the refusal.
+pub const MAX_LINGERING: usize = 64;
+
 /// A freshly accepted socket.
 enum Accepted {
     Unix(tokio::net::UnixStream),
@@ -155,12 +164,23 @@ enum Accepted {
 }
 
 impl Accepted {
-    /// Writes what fits at once without waiting (a refusal), then drops the socket.
-    fn refuse(self, bytes: &[u8]) {
-        let _ = match &self {
-            Self::Unix(s) => s.try_write(bytes),
-            Self::Tcp(s, _) => s.try_write(bytes),
-        };
+    /// Answers the refusal and keeps the socket (reading and dropping what the client sends)
+    /// until the client closes it or [`REFUSAL_LINGER`] passed, holding `permit` so long.
+    fn refuse(self, permit: OwnedSemaphorePermit) {
+        tokio::spawn(async move {
+            let _permit = permit;
+            let linger = async {
+                let mut io: Box<dyn Io> = match self {
+                    Self::Unix(s) => Box::new(s),
+                    Self::Tcp(s, _) => Box::new(s),
+                };
+                io.write_all(&refusal()).await?;
+                let mut sink = [0_u8; 1024];
+                while io.read(&mut sink).await? > 0 {}
+                Ok::<_, io::Error>(())
+            };
+            let _ = tokio::time::timeout(REFUSAL_LINGER, linger).await;
+        });
     }
 }
 
@@ -182,6 +202,8 @@ pub struct Incoming {
     tls: Option<TlsAcceptor>,
     handshake_timeout: Duration,
     permits: Arc<Semaphore>,
+    /// Refused connections kept for their clients to read why.
+    lingering: Arc<Semaphore>,
     handshakes: JoinSet<Option<Connection>>,
     /// After an accept error (out of file descriptors), accepting waits for this.
     backoff: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -206,6 +228,7 @@ impl Incoming {
             tls: options.tls.map(TlsAcceptor::from),
             handshake_timeout: options.handshake_timeout,
             permits: Arc::new(Semaphore::new(options.max_connections.max(1))),
+            lingering: Arc::new(Semaphore::new(MAX_LINGERING)),
             handshakes: JoinSet::new(),
             backoff: None,
             stats: Arc::default(),
@@ -339,8 +362,10 @@ impl Stream for Incoming {
             let Ok(permit) = Arc::clone(&this.permits).try_acquire_owned() else {
                 this.stats.refused.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!("connection limit reached; a connection was refused");
-                if this.tls.is_none() {
-                    accepted.refuse(&refusal());
+                if this.tls.is_none()
+                    && let Ok(linger) = Arc::clone(&this.lingering).try_acquire_owned()
+                {
+                    accepted.refuse(linger);
                 }
                 continue;
             };

@@ -14,46 +14,24 @@
 //! the CSI services nor the agent route or authorise by it.
 //!
 //! [`Incoming`] also does the servers' TLS ([`tls`]), so that the client certificate reaches the
-//! services as [`ConnectInfo`] on unix sockets as on TCP, and caps the connections.
+//! services as [`ConnectInfo`] on unix sockets as on TCP, and caps the connections; [`Limits`]
+//! are all the bounds of a server, and the tonic server that applies them.
 
 pub mod fixed;
 pub mod incoming;
+pub mod limits;
 pub mod rewrite;
 pub mod tls;
 
 use std::io;
-use std::time::Duration;
 
 use futures::Stream;
 use tokio::net::UnixListener;
 
 pub use fixed::AuthorityFixed;
 pub use incoming::{AcceptOptions, AcceptStats, ConnectInfo, Connection, Incoming, Listener};
+pub use limits::Limits;
 pub use tokio_rustls::rustls;
-
-/// The bounds of one gRPC server. Defaults are for a control-plane API: a few clients (the
-/// controller, kubelet and the sidecars) making small calls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
-    /// Connections open (or in their TLS handshake) at once.
-    pub max_connections: usize,
-    /// How long a TLS handshake may take.
-    pub handshake_timeout: Duration,
-}
-
-impl Limits {
-    pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
-    pub const DEFAULT_HANDSHAKE_TIMEOUT_SECS: u64 = 10;
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
-            handshake_timeout: Duration::from_secs(Self::DEFAULT_HANDSHAKE_TIMEOUT_SECS),
-        }
-    }
-}
 
 /// The plaintext connections accepted on `listener` with the default bounds, each read through
 /// an authority rewriter; for `tonic::transport::Server::serve_with_incoming[_shutdown]`.

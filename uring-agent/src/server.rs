@@ -6,6 +6,9 @@
 //!   set; with TLS, every call's client certificate must name the authorised controller (DNS or
 //!   URI subject alternative name, or common name), else PERMISSION_DENIED. Server reflection
 //!   sits behind the same check.
+//! - Every client-held resource of the gRPC server is bounded by [`Limits`] (connections,
+//!   streams per connection, calls in flight, header and message sizes); a bound hit is
+//!   answered RESOURCE_EXHAUSTED or UNAVAILABLE before any handler runs.
 //! - Metrics are served only where `metrics_listen` says (no default); they carry no
 //!   authentication, so an address other than loopback is logged as a warning.
 //! - When io_uring cannot be used, the agent refuses to start with the io_uring engine and says
@@ -19,9 +22,8 @@ use std::time::Duration;
 
 use pillar_agent_api::v1::FILE_DESCRIPTOR_SET;
 use pillar_agent_api::v1::agent_server::AgentServer;
-use pillar_grpc_unix::{AcceptOptions, ConnectInfo, Incoming, Listener};
+use pillar_grpc_unix::{ConnectInfo, Incoming, Limits, Listener};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Server;
 use tonic::{Request, Status};
 
 use crate::backend::{Backend, BackendError, PoolConfig, SystemRunner};
@@ -291,9 +293,18 @@ async fn bind(listen: &Listen) -> Result<Listener, ServerError> {
     }
 }
 
-/// Builds the agent and serves it until `shutdown` completes.
+/// Builds the agent and serves it with the default bounds until `shutdown` completes.
 pub async fn serve(
     config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    serve_with_limits(config, Limits::default(), shutdown).await
+}
+
+/// Builds the agent and serves it within `limits` until `shutdown` completes.
+pub async fn serve_with_limits(
+    config: ServerConfig,
+    limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     let metrics = Arc::new(Metrics::new());
@@ -307,37 +318,29 @@ pub async fn serve(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(ServerError::Reflection)?;
-    let service = AgentService::new(agent, metrics);
+        .map_err(ServerError::Reflection)?
+        .max_decoding_message_size(limits.max_request_bytes);
+    let agent = AgentServer::new(AgentService::new(agent, metrics))
+        .max_decoding_message_size(limits.max_request_bytes);
     let tls = server_tls(&config)?;
-    let mut builder = Server::builder();
+    let mut builder = limits.server(Arc::default());
     // `tls` is there exactly where `config.tls` is.
     let router = match &config.tls {
         Some(files) => {
             let expected: Arc<str> = files.authorized_client.as_str().into();
             // Reflection describes the API to whoever asks: only to the authorised client too.
             builder
-                .add_service(AgentServer::with_interceptor(
-                    service,
+                .add_service(InterceptedService::new(
+                    agent,
                     authorize(Arc::clone(&expected)),
                 ))
                 .add_service(InterceptedService::new(reflection, authorize(expected)))
         }
-        None => builder
-            .add_service(AgentServer::new(service))
-            .add_service(reflection),
+        None => builder.add_service(agent).add_service(reflection),
     };
-    let limits = pillar_grpc_unix::Limits::default();
     // On a unix socket every client's authority is accepted (C-core clients send the socket
     // path), read under TLS where TLS is used.
-    let incoming = Incoming::new(
-        bind(&config.listen).await?,
-        AcceptOptions {
-            tls,
-            max_connections: limits.max_connections,
-            handshake_timeout: limits.handshake_timeout,
-        },
-    );
+    let incoming = Incoming::new(bind(&config.listen).await?, limits.accept_options(tls));
     router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
