@@ -155,7 +155,7 @@ impl AsyncWrite for Connection {
 /// How long a refused plaintext connection is kept for its client to read the refusal.
 pub const REFUSAL_LINGER: Duration = Duration::from_secs(1);
 /// Refused connections kept at once for their clients to read the refusal.
-pub const MAX_LINGERING: usize = 64;
+pub const MAX_LINGERING: usize = 256;
 
 /// A freshly accepted socket.
 enum Accepted {
