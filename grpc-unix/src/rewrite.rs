@@ -2,8 +2,9 @@
 //! acceptable to the server.
 //!
 //! Invariants:
-//! - Every byte that is not part of a header block (the connection preface, every other frame)
-//!   is passed through unchanged and in order.
+//! - Every byte that is not part of a header block (the connection preface, every other frame,
+//!   a HEADERS frame's priority fields) is passed through unchanged and in order; padding is
+//!   dropped.
 //! - Every header block is decoded with the client's HPACK state (so its dynamic table stays the
 //!   one the client's encoder assumes) and sent on with every field as a "literal never
 //!   indexed": the server's decoder table is never filled, so nothing the server decodes can
@@ -105,6 +106,8 @@ impl RewriteError {
 struct OpenBlock {
     stream: u32,
     end_stream: bool,
+    /// The HEADERS frame's stream dependency and weight, passed on as they came.
+    priority: Option<[u8; 5]>,
     fragment: Vec<u8>,
 }
 
@@ -274,13 +277,20 @@ impl Rewriter {
                     .ok_or(RewriteError::Padding { stream })?;
                 payload = &rest[..keep];
             }
+            let mut priority = None;
             if flags & PRIORITY != 0 {
-                // Stream dependency and weight: deprecated (RFC 9113) and ignored by the server.
-                payload = payload.get(5..).ok_or(RewriteError::Priority { stream })?;
+                // Stream dependency and weight: not part of the block; the server checks them
+                // (a stream depending on itself is an error), so they go on unchanged.
+                let (fields, rest) = payload
+                    .split_first_chunk::<5>()
+                    .ok_or(RewriteError::Priority { stream })?;
+                priority = Some(*fields);
+                payload = rest;
             }
             self.block = Some(OpenBlock {
                 stream,
                 end_stream: flags & END_STREAM != 0,
+                priority,
                 fragment: payload.to_vec(),
             });
         } else {
@@ -307,6 +317,10 @@ impl Rewriter {
     /// [`MAX_HEADER_LIST_SIZE`]; past it the rest is only counted (a reference into the table is
     /// borrowed, not copied), so a refused block costs no more than the bound.
     fn finish(&mut self, open: OpenBlock) -> Result<(), RewriteError> {
+        size_updates_first(&open.fragment).map_err(|reason| RewriteError::Hpack {
+            stream: open.stream,
+            reason: reason.to_owned(),
+        })?;
         let mut block = Vec::with_capacity(open.fragment.len().min(MAX_HEADER_LIST_SIZE) + 16);
         let mut size = 0_usize;
         let mut replaced = 0;
@@ -337,36 +351,102 @@ impl Rewriter {
         }
         self.replaced += replaced;
         self.last_stream = self.last_stream.max(open.stream);
-        let mut chunks = block.chunks(MAX_FRAME).peekable();
-        let mut kind = HEADERS;
+        // The first frame carries the priority fields, if any, before its part of the block.
+        let prefix: &[u8] = open.priority.as_ref().map_or(&[], |p| &p[..]);
+        let (first, rest) = block.split_at(block.len().min(MAX_FRAME - prefix.len()));
+        let mut chunks = rest.chunks(MAX_FRAME).peekable();
         let mut flags = if open.end_stream { END_STREAM } else { 0 };
-        // An empty block still needs its one HEADERS frame.
-        let first: &[u8] = &[];
-        let mut chunk = chunks.next().unwrap_or(first);
-        loop {
-            let last = chunks.peek().is_none();
-            if last {
-                flags |= END_HEADERS;
-            }
-            self.emit_frame(kind, flags, open.stream, chunk);
-            match chunks.next() {
-                Some(next) => chunk = next,
-                None => break,
-            }
-            kind = CONTINUATION;
-            flags = 0;
+        if open.priority.is_some() {
+            flags |= PRIORITY;
+        }
+        if chunks.peek().is_none() {
+            flags |= END_HEADERS;
+        }
+        self.emit_frame(HEADERS, flags, open.stream, &[prefix, first]);
+        while let Some(chunk) = chunks.next() {
+            let flags = if chunks.peek().is_none() {
+                END_HEADERS
+            } else {
+                0
+            };
+            self.emit_frame(CONTINUATION, flags, open.stream, &[chunk]);
         }
         Ok(())
     }
 
-    fn emit_frame(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-        let len = u32::try_from(payload.len()).expect("chunks are at most MAX_FRAME bytes");
+    /// Emits a frame whose payload is `parts` one after the other.
+    fn emit_frame(&mut self, kind: u8, flags: u8, stream: u32, parts: &[&[u8]]) {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let len = u32::try_from(len).expect("frames are at most MAX_FRAME bytes");
         self.out.extend(&len.to_be_bytes()[1..]);
         self.out.push_back(kind);
         self.out.push_back(flags);
         self.out.extend(&(stream & 0x7fff_ffff).to_be_bytes());
-        self.out.extend(payload);
+        for part in parts {
+            self.out.extend(*part);
+        }
     }
+}
+
+/// RFC 7541 4.2: a dynamic table size update only at the beginning of a block. The decoder
+/// used here takes one anywhere (the server's refuses it), so the block's representations are
+/// walked first: their kinds and lengths only, nothing decoded. A block this cannot walk is
+/// left to the decoder to refuse.
+fn size_updates_first(block: &[u8]) -> Result<(), &'static str> {
+    let mut rest = block;
+    let mut fields = false;
+    while let Some(&first) = rest.first() {
+        let (prefix, strings) = match first {
+            0x80.. => (7, 0),      // indexed field
+            0x40..=0x7f => (6, 2), // literal with incremental indexing
+            0x20..=0x3f if fields => return Err("dynamic table size update after a field"),
+            0x20..=0x3f => (5, 0), // dynamic table size update
+            _ => (4, 2),           // literal without indexing, never indexed
+        };
+        let Some((index, used)) = decode_integer(rest, prefix) else {
+            return Ok(());
+        };
+        rest = &rest[used..];
+        fields |= first & 0xe0 != 0x20;
+        // A literal names its field by index, or by a string when the index is 0.
+        let strings = if strings == 2 && index != 0 {
+            1
+        } else {
+            strings
+        };
+        for _ in 0..strings {
+            let Some((len, used)) = decode_integer(rest, 7) else {
+                return Ok(());
+            };
+            let Some(after) = used.checked_add(len).and_then(|end| rest.get(end..)) else {
+                return Ok(());
+            };
+            rest = after;
+        }
+    }
+    Ok(())
+}
+
+/// RFC 7541 5.1: an integer with a `prefix_bits`-bit prefix at the start of `bytes`; (value,
+/// bytes used), or None where truncated or beyond `usize`.
+fn decode_integer(bytes: &[u8], prefix_bits: u32) -> Option<(usize, usize)> {
+    let max = (1_usize << prefix_bits) - 1;
+    let mut value = usize::from(*bytes.first()?) & max;
+    if value < max {
+        return Some((value, 1));
+    }
+    for (i, &byte) in bytes.iter().enumerate().skip(1) {
+        let shift = u32::try_from(7 * (i - 1)).ok()?;
+        let part = usize::from(byte & 0x7f).checked_shl(shift)?;
+        if shift >= usize::BITS || part >> shift != usize::from(byte & 0x7f) {
+            return None;
+        }
+        value = value.checked_add(part)?;
+        if byte & 0x80 == 0 {
+            return Some((value, i + 1));
+        }
+    }
+    None
 }
 
 fn payload_len(frame: &[u8]) -> usize {
@@ -577,9 +657,11 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(
             (got[0].0, got[0].1, got[0].2),
-            (HEADERS, END_STREAM | END_HEADERS, 5)
+            (HEADERS, PRIORITY | END_STREAM | END_HEADERS, 5)
         );
-        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3);
+        // The priority fields as they came, padding dropped.
+        assert_eq!(got[0].3[..5], [0, 0, 0, 0, 16]);
+        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3[5..]);
         assert_eq!(fields[3], (":authority".into(), "localhost".into()));
     }
 
@@ -623,6 +705,22 @@ mod tests {
         assert_eq!(got.len(), 1, "a block within the bound fits one frame");
         assert_eq!((got[0].0, got[0].1, got[0].2), (HEADERS, END_HEADERS, 1));
         let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3);
+        assert_eq!(fields[6].1.len(), big);
+
+        // With priority fields too: a block within the bound re-encoded is at least 27 bytes
+        // per field shorter than its decoded size, so the 5 bytes still fit one frame.
+        let mut input = PREFACE.to_vec();
+        let mut first = vec![0, 0, 0, 3, 200];
+        first.extend(&block[..5000]);
+        input.extend(frame(HEADERS, PRIORITY, 1, &first));
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, &block[5000..]));
+        let (out, _) = run(&input, 1000).unwrap();
+        let got = frames(&out[24..]);
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].0, got[0].1), (HEADERS, PRIORITY | END_HEADERS));
+        assert!(got[0].3.len() <= MAX_FRAME);
+        assert_eq!(got[0].3[..5], [0, 0, 0, 3, 200]);
+        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3[5..]);
         assert_eq!(fields[6].1.len(), big);
     }
 
@@ -726,6 +824,37 @@ mod tests {
     }
 
     #[test]
+    fn a_size_update_after_a_field_is_refused() {
+        let mut input = PREFACE.to_vec();
+        // :method POST, then a size update to 0: refused; at the start: followed.
+        input.extend(frame(HEADERS, END_HEADERS, 1, &[0x83, 0x20]));
+        assert!(matches!(
+            run(&input, 64),
+            Err(RewriteError::Hpack { stream: 1, .. })
+        ));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &[0x20, 0x3f, 0xe1, 0x1f, 0x83],
+        ));
+        run(&input, 64).unwrap();
+        // Literals are walked over, strings included, so their bytes are not taken for one.
+        let mut block = vec![0x83];
+        indexed_literal(&mut block, b"x-a", b"\x20\x20");
+        block.push(0x00);
+        encode_string(&mut block, b"x-b");
+        encode_string(&mut block, b"\x3f");
+        block.push(0x1f);
+        block.push(0x00); // never indexed, name index 15
+        encode_string(&mut block, b"\x20");
+        assert_eq!(size_updates_first(&block), Ok(()));
+        block.push(0x20);
+        assert!(size_updates_first(&block).is_err());
+    }
+
+    #[test]
     fn integers_follow_rfc_7541() {
         // RFC 7541 C.1.1-C.1.3.
         let mut out = Vec::new();
@@ -737,5 +866,17 @@ mod tests {
         out.clear();
         encode_integer(&mut out, 0, 8, 42);
         assert_eq!(out, [0x2a]);
+        assert_eq!(decode_integer(&[0x0a], 5), Some((10, 1)));
+        assert_eq!(decode_integer(&[0x1f, 0x9a, 0x0a], 5), Some((1337, 3)));
+        assert_eq!(decode_integer(&[0x1f, 0x9a], 5), None);
+        assert_eq!(
+            decode_integer(
+                &[
+                    0x1f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff
+                ],
+                5
+            ),
+            None
+        );
     }
 }
