@@ -61,6 +61,9 @@ pub enum Mode {
         /// Serve Prometheus metrics on this address (path /metrics).
         #[arg(long)]
         metrics_listen: Option<std::net::SocketAddr>,
+        /// Bounds of the CSI gRPC server.
+        #[command(flatten)]
+        grpc: pillar_grpc_unix::Limits,
     },
     /// The CSI node plugin (Identity + Node services).
     Node {
@@ -82,6 +85,9 @@ pub enum Mode {
         /// `topology.pillar-csi.io/zone=a`, matching the PillarAgents' `spec.topology`).
         #[arg(long = "topology", value_parser = parse_segment)]
         topology: Vec<(String, String)>,
+        /// Bounds of the CSI gRPC server.
+        #[command(flatten)]
+        grpc: pillar_grpc_unix::Limits,
     },
 }
 

@@ -1,8 +1,11 @@
-//! Serving the CSI services on a unix socket, as kubelet and the sidecars expect.
+//! Serving the CSI services on a unix socket, as kubelet and the sidecars expect, within the
+//! bounds of [`Limits`]: a bound hit is answered RESOURCE_EXHAUSTED or UNAVAILABLE before any
+//! handler runs, so nothing of such a call is applied.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use tonic::transport::Server;
+use pillar_grpc_unix::{Incoming, Limits, Listener};
 
 use crate::controller::ControllerService;
 use crate::csi;
@@ -27,13 +30,38 @@ pub fn socket_path(endpoint: &str) -> PathBuf {
     PathBuf::from(endpoint.strip_prefix("unix://").unwrap_or(endpoint))
 }
 
-/// Serves Identity, and the Controller and/or Node services given, on `socket` until
-/// `shutdown` completes.
+/// Serves Identity, and the Controller and/or Node services given, on `socket` with the
+/// default bounds until `shutdown` completes.
 pub async fn serve<N>(
     socket: &Path,
     identity: IdentityService,
     controller: Option<ControllerService>,
     node: Option<N>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError>
+where
+    N: csi::node_server::Node,
+{
+    serve_with_limits(
+        socket,
+        identity,
+        controller,
+        node,
+        Limits::default(),
+        shutdown,
+    )
+    .await
+}
+
+/// Serves Identity, and the Controller and/or Node services given, on `socket` within
+/// `limits` (connections, streams, calls in flight, header and message sizes; see
+/// [`Limits`]) until `shutdown` completes.
+pub async fn serve_with_limits<N>(
+    socket: &Path,
+    identity: IdentityService,
+    controller: Option<ControllerService>,
+    node: Option<N>,
+    limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError>
 where
@@ -50,15 +78,27 @@ where
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(csi::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(ServeError::Reflection)?;
+        .map_err(ServeError::Reflection)?
+        .max_decoding_message_size(limits.max_request_bytes);
     tracing::info!(socket = %socket.display(), controller = controller.is_some(), node = node.is_some(), "serving CSI");
-    Server::builder()
-        .add_service(csi::identity_server::IdentityServer::new(identity))
-        .add_optional_service(controller.map(csi::controller_server::ControllerServer::new))
-        .add_optional_service(node.map(csi::node_server::NodeServer::new))
+    let max = limits.max_request_bytes;
+    limits
+        .server(Arc::default())
+        .add_service(
+            csi::identity_server::IdentityServer::new(identity).max_decoding_message_size(max),
+        )
+        .add_optional_service(controller.map(|c| {
+            csi::controller_server::ControllerServer::new(c).max_decoding_message_size(max)
+        }))
+        .add_optional_service(
+            node.map(|n| csi::node_server::NodeServer::new(n).max_decoding_message_size(max)),
+        )
         .add_service(reflection)
         // Every client's authority accepted (C-core clients send the socket path).
-        .serve_with_incoming_shutdown(pillar_grpc_unix::incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            Incoming::new(Listener::Unix(listener), limits.accept_options(None)),
+            shutdown,
+        )
         .await
         .map_err(ServeError::Serve)
 }

@@ -2,17 +2,30 @@
 //! acceptable to the server.
 //!
 //! Invariants:
-//! - Every byte that is not part of a header block (the connection preface, every other frame)
-//!   is passed through unchanged and in order.
+//! - Every byte that is not part of a header block (the connection preface, every other frame,
+//!   a HEADERS frame's priority fields) is passed through unchanged and in order; padding is
+//!   dropped.
 //! - Every header block is decoded with the client's HPACK state (so its dynamic table stays the
 //!   one the client's encoder assumes) and sent on with every field as a "literal never
 //!   indexed": the server's decoder table is never filled, so nothing the server decodes can
 //!   depend on what this rewriter dropped, and a field the client marked sensitive stays so.
 //! - A `:authority` that is not a valid URI authority (a socket path, raw or %-encoded) becomes
 //!   `localhost`, what Go clients send on unix sockets; a valid one is kept.
-//! - Anything this cannot follow (a broken header block, a CONTINUATION out of place, a block
-//!   larger than [`MAX_BLOCK`]) is an error: the connection is closed, never passed on half
-//!   rewritten.
+//! - Anything this cannot follow (a broken header block, a CONTINUATION out of place) or will
+//!   not (a header frame larger than the server's frame size, a block larger than
+//!   [`MAX_BLOCK`] encoded or [`MAX_HEADER_LIST_SIZE`] decoded) is an error: the connection is
+//!   closed, never passed on half rewritten.
+//!
+//! Bounds: per connection this holds at most one header frame ([`MAX_FRAME`] bytes), one
+//! encoded block ([`MAX_BLOCK`]), the HPACK table (4 KiB) and the output waiting to be read,
+//! which [`Rewriter::feed`] stops adding to at [`OUT_HIGH_WATER`] (plus at most one frame or one
+//! rewritten block). The decoded size is what a header block can expand to, by 1-byte references
+//! to a 4 KiB table entry (4,000x): it is counted while decoding without copying the referenced
+//! entries, and a block over the bound is refused before anything of it is re-encoded beyond
+//! the bound. The bound is the one hyper's HTTP/2 server applies to decoded header lists by
+//! default (16 KiB, RFC 9113 6.5.2: name + value + 32 bytes per field), which the servers also
+//! set explicitly, so it refuses nothing the server would have accepted. It also bounds the
+//! number of fields (at most 512: 32 bytes each at least).
 
 use std::collections::VecDeque;
 
@@ -20,10 +33,20 @@ use std::collections::VecDeque;
 const PREFACE_LEN: usize = 24;
 /// Frame header length.
 const FRAME_HEADER: usize = 9;
-/// The largest frame every HTTP/2 server accepts (SETTINGS_MAX_FRAME_SIZE's initial value).
-const MAX_FRAME: usize = 16_384;
-/// The largest header block this buffers (a gRPC request's headers are a few hundred bytes).
-pub const MAX_BLOCK: usize = 1 << 20;
+/// The largest frame every HTTP/2 server accepts (SETTINGS_MAX_FRAME_SIZE's initial value; the
+/// servers do not raise it): a larger header frame is the server's FRAME_SIZE_ERROR anyway.
+pub const MAX_FRAME: usize = 16_384;
+/// The largest decoded header list (RFC 9113 6.5.2 size: name + value + 32 per field) this
+/// passes on; hyper's HTTP/2 server default, and the servers' `http2_max_header_list_size`.
+/// A gRPC request's headers are a few hundred bytes.
+pub const MAX_HEADER_LIST_SIZE: usize = 16 * 1024;
+/// The largest encoded header block (all its frames) this buffers. A field encoded as any sane
+/// encoder does (Huffman only where shorter) takes fewer bytes than its decoded size counts
+/// (the 32 cover its length prefixes), so a block within [`MAX_HEADER_LIST_SIZE`] decoded fits;
+/// the rest is room for table size updates.
+pub const MAX_BLOCK: usize = MAX_HEADER_LIST_SIZE + 1024;
+/// [`Rewriter::feed`] takes no more input while this many rewritten bytes wait to be read.
+pub const OUT_HIGH_WATER: usize = 32 * 1024;
 /// The dynamic table size the server's SETTINGS allow (the protocol's initial value; tonic's
 /// server does not change it).
 const TABLE_SIZE: usize = 4096;
@@ -51,10 +74,31 @@ pub enum RewriteError {
     Interleaved { kind: u8, stream: u32, open: u32 },
     #[error("HTTP/2 CONTINUATION on stream {stream} without an open header block")]
     StrayContinuation { stream: u32 },
+    #[error("HTTP/2 header frame on stream {stream} has {len} bytes, more than {MAX_FRAME}")]
+    FrameTooLarge { stream: u32, len: usize },
     #[error("HTTP/2 header block on stream {stream} exceeds {MAX_BLOCK} bytes")]
     BlockTooLarge { stream: u32 },
+    #[error("HTTP/2 header list on stream {stream} exceeds {MAX_HEADER_LIST_SIZE} bytes decoded")]
+    HeaderListTooLarge { stream: u32 },
     #[error("HPACK header block on stream {stream} cannot be decoded: {reason}")]
     Hpack { stream: u32, reason: String },
+}
+
+impl RewriteError {
+    /// The HTTP/2 error code (RFC 9113 7) a GOAWAY answering this carries: a bound refused is
+    /// ENHANCE_YOUR_CALM (gRPC clients report RESOURCE_EXHAUSTED), an undecodable block
+    /// COMPRESSION_ERROR, a frame too large FRAME_SIZE_ERROR, the rest PROTOCOL_ERROR.
+    pub fn h2_code(&self) -> u32 {
+        match self {
+            Self::BlockTooLarge { .. } | Self::HeaderListTooLarge { .. } => 0xb,
+            Self::Hpack { .. } => 0x9,
+            Self::FrameTooLarge { .. } => 0x6,
+            Self::Padding { .. }
+            | Self::Priority { .. }
+            | Self::Interleaved { .. }
+            | Self::StrayContinuation { .. } => 0x1,
+        }
+    }
 }
 
 /// A header block being gathered from HEADERS and CONTINUATION frames.
@@ -62,6 +106,8 @@ pub enum RewriteError {
 struct OpenBlock {
     stream: u32,
     end_stream: bool,
+    /// The HEADERS frame's stream dependency and weight, passed on as they came.
+    priority: Option<[u8; 5]>,
     fragment: Vec<u8>,
 }
 
@@ -76,6 +122,8 @@ pub struct Rewriter {
     decoder: loona_hpack::Decoder<'static>,
     out: VecDeque<u8>,
     replaced: u64,
+    /// The highest stream whose header block was passed on (a GOAWAY's last stream).
+    last_stream: u32,
 }
 
 impl std::fmt::Debug for Rewriter {
@@ -108,12 +156,18 @@ impl Rewriter {
             decoder,
             out: VecDeque::new(),
             replaced: 0,
+            last_stream: 0,
         }
     }
 
     /// How many `:authority` values were replaced so far.
     pub fn replaced(&self) -> u64 {
         self.replaced
+    }
+
+    /// The highest stream whose header block was passed on to the server.
+    pub fn last_stream(&self) -> u32 {
+        self.last_stream
     }
 
     /// How many rewritten bytes wait to be read.
@@ -130,9 +184,13 @@ impl Rewriter {
         n
     }
 
-    /// Takes the client's next bytes.
-    pub fn feed(&mut self, mut input: &[u8]) -> Result<(), RewriteError> {
-        while !input.is_empty() {
+    /// Takes the client's next bytes, as many as it can while fewer than [`OUT_HIGH_WATER`]
+    /// rewritten bytes wait to be read; how many it took. The caller keeps the rest and offers
+    /// it again once it read some output.
+    pub fn feed(&mut self, input: &[u8]) -> Result<usize, RewriteError> {
+        let total = input.len();
+        let mut input = input;
+        while !input.is_empty() && self.out.len() < OUT_HIGH_WATER {
             if self.preface_left > 0 || self.passthrough_left > 0 {
                 let left = if self.preface_left > 0 {
                     &mut self.preface_left
@@ -155,7 +213,7 @@ impl Rewriter {
             input = &input[n..];
             self.step()?;
         }
-        Ok(())
+        Ok(total - input.len())
     }
 
     /// Acts on a gathered frame header or header frame, if complete.
@@ -181,8 +239,8 @@ impl Rewriter {
             self.passthrough_left = len;
             return Ok(());
         }
-        if len > MAX_BLOCK {
-            return Err(RewriteError::BlockTooLarge { stream });
+        if len > MAX_FRAME {
+            return Err(RewriteError::FrameTooLarge { stream, len });
         }
         if self.frame.len() < FRAME_HEADER + len {
             return Ok(());
@@ -219,13 +277,20 @@ impl Rewriter {
                     .ok_or(RewriteError::Padding { stream })?;
                 payload = &rest[..keep];
             }
+            let mut priority = None;
             if flags & PRIORITY != 0 {
-                // Stream dependency and weight: deprecated (RFC 9113) and ignored by the server.
-                payload = payload.get(5..).ok_or(RewriteError::Priority { stream })?;
+                // Stream dependency and weight: not part of the block; the server checks them
+                // (a stream depending on itself is an error), so they go on unchanged.
+                let (fields, rest) = payload
+                    .split_first_chunk::<5>()
+                    .ok_or(RewriteError::Priority { stream })?;
+                priority = Some(*fields);
+                payload = rest;
             }
             self.block = Some(OpenBlock {
                 stream,
                 end_stream: flags & END_STREAM != 0,
+                priority,
                 fragment: payload.to_vec(),
             });
         } else {
@@ -247,56 +312,141 @@ impl Rewriter {
     }
 
     /// Decodes a complete block and emits it re-encoded, split into frames the server accepts.
+    ///
+    /// Fields are re-encoded as they are decoded, while the decoded size stays within
+    /// [`MAX_HEADER_LIST_SIZE`]; past it the rest is only counted (a reference into the table is
+    /// borrowed, not copied), so a refused block costs no more than the bound.
     fn finish(&mut self, open: OpenBlock) -> Result<(), RewriteError> {
-        let mut fields = Vec::new();
+        size_updates_first(&open.fragment).map_err(|reason| RewriteError::Hpack {
+            stream: open.stream,
+            reason: reason.to_owned(),
+        })?;
+        let mut block = Vec::with_capacity(open.fragment.len().min(MAX_HEADER_LIST_SIZE) + 16);
+        let mut size = 0_usize;
+        let mut replaced = 0;
         self.decoder
             .decode_with_cb(&open.fragment, |name, value| {
-                fields.push((name.into_owned(), value.into_owned()));
+                if size > MAX_HEADER_LIST_SIZE {
+                    return;
+                }
+                let value: &[u8] = if *name == *b":authority" && !valid_authority(&value) {
+                    replaced += 1;
+                    REPLACEMENT.as_bytes()
+                } else {
+                    &value
+                };
+                size = size.saturating_add(name.len() + value.len() + 32);
+                if size <= MAX_HEADER_LIST_SIZE {
+                    encode_never_indexed(&mut block, &name, value);
+                }
             })
             .map_err(|e| RewriteError::Hpack {
                 stream: open.stream,
                 reason: format!("{e:?}"),
             })?;
-        let mut block = Vec::with_capacity(open.fragment.len() + 16);
-        for (name, value) in &fields {
-            let value: &[u8] = if name == b":authority" && !valid_authority(value) {
-                self.replaced += 1;
-                REPLACEMENT.as_bytes()
-            } else {
-                value
-            };
-            encode_never_indexed(&mut block, name, value);
+        if size > MAX_HEADER_LIST_SIZE {
+            return Err(RewriteError::HeaderListTooLarge {
+                stream: open.stream,
+            });
         }
-        let mut chunks = block.chunks(MAX_FRAME).peekable();
-        let mut kind = HEADERS;
+        self.replaced += replaced;
+        self.last_stream = self.last_stream.max(open.stream);
+        // The first frame carries the priority fields, if any, before its part of the block.
+        let prefix: &[u8] = open.priority.as_ref().map_or(&[], |p| &p[..]);
+        let (first, rest) = block.split_at(block.len().min(MAX_FRAME - prefix.len()));
+        let mut chunks = rest.chunks(MAX_FRAME).peekable();
         let mut flags = if open.end_stream { END_STREAM } else { 0 };
-        // An empty block still needs its one HEADERS frame.
-        let first: &[u8] = &[];
-        let mut chunk = chunks.next().unwrap_or(first);
-        loop {
-            let last = chunks.peek().is_none();
-            if last {
-                flags |= END_HEADERS;
-            }
-            self.emit_frame(kind, flags, open.stream, chunk);
-            match chunks.next() {
-                Some(next) => chunk = next,
-                None => break,
-            }
-            kind = CONTINUATION;
-            flags = 0;
+        if open.priority.is_some() {
+            flags |= PRIORITY;
+        }
+        if chunks.peek().is_none() {
+            flags |= END_HEADERS;
+        }
+        self.emit_frame(HEADERS, flags, open.stream, &[prefix, first]);
+        while let Some(chunk) = chunks.next() {
+            let flags = if chunks.peek().is_none() {
+                END_HEADERS
+            } else {
+                0
+            };
+            self.emit_frame(CONTINUATION, flags, open.stream, &[chunk]);
         }
         Ok(())
     }
 
-    fn emit_frame(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-        let len = u32::try_from(payload.len()).expect("chunks are at most MAX_FRAME bytes");
+    /// Emits a frame whose payload is `parts` one after the other.
+    fn emit_frame(&mut self, kind: u8, flags: u8, stream: u32, parts: &[&[u8]]) {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let len = u32::try_from(len).expect("frames are at most MAX_FRAME bytes");
         self.out.extend(&len.to_be_bytes()[1..]);
         self.out.push_back(kind);
         self.out.push_back(flags);
         self.out.extend(&(stream & 0x7fff_ffff).to_be_bytes());
-        self.out.extend(payload);
+        for part in parts {
+            self.out.extend(*part);
+        }
     }
+}
+
+/// RFC 7541 4.2: a dynamic table size update only at the beginning of a block. The decoder
+/// used here takes one anywhere (the server's refuses it), so the block's representations are
+/// walked first: their kinds and lengths only, nothing decoded. A block this cannot walk is
+/// left to the decoder to refuse.
+fn size_updates_first(block: &[u8]) -> Result<(), &'static str> {
+    let mut rest = block;
+    let mut fields = false;
+    while let Some(&first) = rest.first() {
+        let (prefix, strings) = match first {
+            0x80.. => (7, 0),      // indexed field
+            0x40..=0x7f => (6, 2), // literal with incremental indexing
+            0x20..=0x3f if fields => return Err("dynamic table size update after a field"),
+            0x20..=0x3f => (5, 0), // dynamic table size update
+            _ => (4, 2),           // literal without indexing, never indexed
+        };
+        let Some((index, used)) = decode_integer(rest, prefix) else {
+            return Ok(());
+        };
+        rest = &rest[used..];
+        fields |= first & 0xe0 != 0x20;
+        // A literal names its field by index, or by a string when the index is 0.
+        let strings = if strings == 2 && index != 0 {
+            1
+        } else {
+            strings
+        };
+        for _ in 0..strings {
+            let Some((len, used)) = decode_integer(rest, 7) else {
+                return Ok(());
+            };
+            let Some(after) = used.checked_add(len).and_then(|end| rest.get(end..)) else {
+                return Ok(());
+            };
+            rest = after;
+        }
+    }
+    Ok(())
+}
+
+/// RFC 7541 5.1: an integer with a `prefix_bits`-bit prefix at the start of `bytes`; (value,
+/// bytes used), or None where truncated or beyond `usize`.
+fn decode_integer(bytes: &[u8], prefix_bits: u32) -> Option<(usize, usize)> {
+    let max = (1_usize << prefix_bits) - 1;
+    let mut value = usize::from(*bytes.first()?) & max;
+    if value < max {
+        return Some((value, 1));
+    }
+    for (i, &byte) in bytes.iter().enumerate().skip(1) {
+        let shift = u32::try_from(7 * (i - 1)).ok()?;
+        let part = usize::from(byte & 0x7f).checked_shl(shift)?;
+        if shift >= usize::BITS || part >> shift != usize::from(byte & 0x7f) {
+            return None;
+        }
+        value = value.checked_add(part)?;
+        if byte & 0x80 == 0 {
+            return Some((value, i + 1));
+        }
+    }
+    None
 }
 
 fn payload_len(frame: &[u8]) -> usize {
@@ -391,12 +541,21 @@ mod tests {
 
     fn run(input: &[u8], chunk: usize) -> Result<(Vec<u8>, u64), RewriteError> {
         let mut r = Rewriter::new();
-        for piece in input.chunks(chunk) {
-            r.feed(piece)?;
+        let mut out = Vec::new();
+        let mut buf = vec![0; 4096];
+        for mut piece in input.chunks(chunk) {
+            while !piece.is_empty() {
+                let taken = r.feed(piece)?;
+                piece = &piece[taken..];
+                assert!(r.pending() <= OUT_HIGH_WATER + MAX_FRAME + FRAME_HEADER);
+                let n = r.read_into(&mut buf);
+                out.extend(&buf[..n]);
+            }
         }
-        let mut out = vec![0; input.len() * 2 + 64];
-        let n = r.read_into(&mut out);
-        out.truncate(n);
+        while r.pending() > 0 {
+            let n = r.read_into(&mut buf);
+            out.extend(&buf[..n]);
+        }
         Ok((out, r.replaced()))
     }
 
@@ -498,35 +657,138 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(
             (got[0].0, got[0].1, got[0].2),
-            (HEADERS, END_STREAM | END_HEADERS, 5)
+            (HEADERS, PRIORITY | END_STREAM | END_HEADERS, 5)
         );
-        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3);
+        // The priority fields as they came, padding dropped.
+        assert_eq!(got[0].3[..5], [0, 0, 0, 0, 16]);
+        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3[5..]);
         assert_eq!(fields[3], (":authority".into(), "localhost".into()));
     }
 
-    #[test]
-    fn a_block_larger_than_a_frame_is_split_into_continuations() {
-        let mut block = request_block(b"/tmp/a.sock");
-        indexed_literal(&mut block, b"x-big", &vec![b'a'; 40_000]);
-        let mut input = PREFACE.to_vec();
-        // Sent as the client would: frames of at most 16 KiB.
-        let parts: Vec<&[u8]> = block.chunks(MAX_FRAME).collect();
+    /// `block` sent as the client would: frames of at most `frame` bytes.
+    fn block_frames(stream: u32, block: &[u8], frame_len: usize) -> Vec<u8> {
+        let parts: Vec<&[u8]> = block.chunks(frame_len).collect();
+        let mut out = Vec::new();
         for (i, part) in parts.iter().enumerate() {
             let kind = if i == 0 { HEADERS } else { CONTINUATION };
             let flags = if i + 1 == parts.len() { END_HEADERS } else { 0 };
-            input.extend(frame(kind, flags, 1, part));
+            out.extend(frame(kind, flags, stream, part));
         }
+        out
+    }
+
+    /// The decoded size (RFC 9113 6.5.2) of `request_block(b"/tmp/a.sock")` once rewritten.
+    fn request_size() -> usize {
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/csi.v1.Identity/GetPluginInfo"),
+            (":authority", "localhost"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+        .iter()
+        .map(|(n, v)| n.len() + v.len() + 32)
+        .sum()
+    }
+
+    #[test]
+    fn a_block_in_continuations_is_joined_and_a_block_at_the_bound_passes() {
+        // Exactly MAX_HEADER_LIST_SIZE decoded, sent in frames of 5,000 bytes.
+        let big = MAX_HEADER_LIST_SIZE - request_size() - "x-big".len() - 32;
+        let mut block = request_block(b"/tmp/a.sock");
+        indexed_literal(&mut block, b"x-big", &vec![b'a'; big]);
+        let mut input = PREFACE.to_vec();
+        input.extend(block_frames(1, &block, 5000));
         let (out, _) = run(&input, 1000).unwrap();
         let got = frames(&out[24..]);
-        assert!(got.len() >= 3);
-        assert!(got.iter().all(|f| f.3.len() <= MAX_FRAME && f.2 == 1));
-        assert_eq!(got[0].0, HEADERS);
-        assert!(got[1..].iter().all(|f| f.0 == CONTINUATION));
-        assert!(got[..got.len() - 1].iter().all(|f| f.1 & END_HEADERS == 0));
-        assert_eq!(got.last().unwrap().1, END_HEADERS);
-        let joined: Vec<u8> = got.iter().flat_map(|f| f.3.clone()).collect();
-        let fields = decode_all(&mut loona_hpack::Decoder::new(), &joined);
-        assert_eq!(fields[6].1.len(), 40_000);
+        assert_eq!(got.len(), 1, "a block within the bound fits one frame");
+        assert_eq!((got[0].0, got[0].1, got[0].2), (HEADERS, END_HEADERS, 1));
+        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3);
+        assert_eq!(fields[6].1.len(), big);
+
+        // With priority fields too: a block within the bound re-encoded is at least 27 bytes
+        // per field shorter than its decoded size, so the 5 bytes still fit one frame.
+        let mut input = PREFACE.to_vec();
+        let mut first = vec![0, 0, 0, 3, 200];
+        first.extend(&block[..5000]);
+        input.extend(frame(HEADERS, PRIORITY, 1, &first));
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, &block[5000..]));
+        let (out, _) = run(&input, 1000).unwrap();
+        let got = frames(&out[24..]);
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].0, got[0].1), (HEADERS, PRIORITY | END_HEADERS));
+        assert!(got[0].3.len() <= MAX_FRAME);
+        assert_eq!(got[0].3[..5], [0, 0, 0, 3, 200]);
+        let fields = decode_all(&mut loona_hpack::Decoder::new(), &got[0].3[5..]);
+        assert_eq!(fields[6].1.len(), big);
+    }
+
+    #[test]
+    fn a_header_list_over_the_bound_is_refused_however_it_is_encoded() {
+        // One byte over, as a literal.
+        let big = MAX_HEADER_LIST_SIZE - request_size() - "x-big".len() - 32 + 1;
+        let mut block = request_block(b"/tmp/a.sock");
+        indexed_literal(&mut block, b"x-big", &vec![b'a'; big]);
+        let mut input = PREFACE.to_vec();
+        input.extend(block_frames(1, &block, 5000));
+        let err = run(&input, 1000).unwrap_err();
+        assert!(
+            matches!(err, RewriteError::HeaderListTooLarge { stream: 1 }),
+            "{err}"
+        );
+        assert_eq!(err.h2_code(), 0xb);
+
+        // As references to one table entry: 5 references to a 4,000-byte entry.
+        let mut first = request_block(b"/tmp/a.sock");
+        indexed_literal(&mut first, b"x-big", &[b'a'; 4000]);
+        let mut second = vec![0x83, 0x86];
+        second.extend([0xbe; 5]); // index 62: the newest entry, x-big
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &first));
+        input.extend(frame(HEADERS, END_HEADERS, 3, &second));
+        let mut r = Rewriter::new();
+        let err = r.feed(&input).unwrap_err();
+        assert!(
+            matches!(err, RewriteError::HeaderListTooLarge { stream: 3 }),
+            "{err}"
+        );
+        assert_eq!(r.last_stream(), 1, "stream 3 was not passed on");
+        assert!(r.pending() < 24 + 9 + 4000 + 200, "{}", r.pending());
+
+        // A frame larger than the server's frame size, and a block larger than MAX_BLOCK in
+        // continuations (table size updates: nothing decoded, everything buffered).
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &vec![0x20; MAX_FRAME + 1]));
+        assert!(matches!(
+            run(&input, 4096),
+            Err(RewriteError::FrameTooLarge { stream: 1, .. })
+        ));
+        let mut input = PREFACE.to_vec();
+        input.extend(block_frames(1, &vec![0x20; MAX_BLOCK + 1], MAX_FRAME));
+        assert!(matches!(
+            run(&input, 4096),
+            Err(RewriteError::BlockTooLarge { stream: 1 })
+        ));
+    }
+
+    #[test]
+    fn output_waiting_to_be_read_stops_the_input() {
+        // Many small blocks each expanding to ~4 KB: feed stops taking input at the high water.
+        let mut first = request_block(b"/tmp/a.sock");
+        indexed_literal(&mut first, b"x-big", &[b'a'; 4000]);
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &first));
+        for stream in (3..400).step_by(2) {
+            input.extend(frame(HEADERS, END_HEADERS, stream, &[0x83, 0x86, 0xbe]));
+        }
+        let mut r = Rewriter::new();
+        let taken = r.feed(&input).unwrap();
+        assert!(taken < input.len(), "took all {taken} bytes");
+        assert!(r.pending() < OUT_HIGH_WATER + 5000, "{}", r.pending());
+        // Everything arrives once read.
+        let (out, _) = run(&input, 100).unwrap();
+        assert_eq!(frames(&out[24..]).len(), 200);
     }
 
     #[test]
@@ -562,6 +824,37 @@ mod tests {
     }
 
     #[test]
+    fn a_size_update_after_a_field_is_refused() {
+        let mut input = PREFACE.to_vec();
+        // :method POST, then a size update to 0: refused; at the start: followed.
+        input.extend(frame(HEADERS, END_HEADERS, 1, &[0x83, 0x20]));
+        assert!(matches!(
+            run(&input, 64),
+            Err(RewriteError::Hpack { stream: 1, .. })
+        ));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &[0x20, 0x3f, 0xe1, 0x1f, 0x83],
+        ));
+        run(&input, 64).unwrap();
+        // Literals are walked over, strings included, so their bytes are not taken for one.
+        let mut block = vec![0x83];
+        indexed_literal(&mut block, b"x-a", b"\x20\x20");
+        block.push(0x00);
+        encode_string(&mut block, b"x-b");
+        encode_string(&mut block, b"\x3f");
+        block.push(0x1f);
+        block.push(0x00); // never indexed, name index 15
+        encode_string(&mut block, b"\x20");
+        assert_eq!(size_updates_first(&block), Ok(()));
+        block.push(0x20);
+        assert!(size_updates_first(&block).is_err());
+    }
+
+    #[test]
     fn integers_follow_rfc_7541() {
         // RFC 7541 C.1.1-C.1.3.
         let mut out = Vec::new();
@@ -573,5 +866,17 @@ mod tests {
         out.clear();
         encode_integer(&mut out, 0, 8, 42);
         assert_eq!(out, [0x2a]);
+        assert_eq!(decode_integer(&[0x0a], 5), Some((10, 1)));
+        assert_eq!(decode_integer(&[0x1f, 0x9a, 0x0a], 5), Some((1337, 3)));
+        assert_eq!(decode_integer(&[0x1f, 0x9a], 5), None);
+        assert_eq!(
+            decode_integer(
+                &[
+                    0x1f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff
+                ],
+                5
+            ),
+            None
+        );
     }
 }

@@ -65,6 +65,9 @@ pub struct Args {
     /// Timeout for external commands (lvm, zfs), in seconds.
     #[arg(long, default_value_t = 60)]
     pub command_timeout_secs: u64,
+    /// Bounds of the gRPC server.
+    #[command(flatten)]
+    pub grpc: pillar_grpc_unix::Limits,
     /// TEST ONLY: leave namespace UUID/NGUID and serial to the kernel (random). Shows what stable
     /// identity prevents; never use it for real volumes.
     #[arg(long, hide = true)]

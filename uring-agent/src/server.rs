@@ -6,6 +6,9 @@
 //!   set; with TLS, every call's client certificate must name the authorised controller (DNS or
 //!   URI subject alternative name, or common name), else PERMISSION_DENIED. Server reflection
 //!   sits behind the same check.
+//! - Every client-held resource of the gRPC server is bounded by [`Limits`] (connections,
+//!   streams per connection, calls in flight, header and message sizes); a bound hit is
+//!   answered RESOURCE_EXHAUSTED or UNAVAILABLE before any handler runs.
 //! - Metrics are served only where `metrics_listen` says (no default); they carry no
 //!   authentication, so an address other than loopback is logged as a warning.
 //! - When io_uring cannot be used, the agent refuses to start with the io_uring engine and says
@@ -19,8 +22,8 @@ use std::time::Duration;
 
 use pillar_agent_api::v1::FILE_DESCRIPTOR_SET;
 use pillar_agent_api::v1::agent_server::AgentServer;
+use pillar_grpc_unix::{ConnectInfo, Incoming, Limits, Listener};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic::{Request, Status};
 
 use crate::backend::{Backend, BackendError, PoolConfig, SystemRunner};
@@ -98,7 +101,7 @@ pub enum ServerError {
         source: std::io::Error,
     },
     #[error("TLS configuration rejected")]
-    Tls(#[source] tonic::transport::Error),
+    Tls(#[source] pillar_grpc_unix::tls::TlsConfigError),
     #[error("starting the engine")]
     Engine(#[from] EngineError),
     #[error("opening the target")]
@@ -186,11 +189,14 @@ fn certificate_names(der: &[u8]) -> Vec<String> {
     names
 }
 
-/// Authorises each call by the client certificate's identity.
+/// Authorises each call by the client certificate's identity, from the connection's TLS
+/// session (the same on a unix socket as on TCP).
 fn authorize(expected: Arc<str>) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
     move |req: Request<()>| {
         let certs = req
-            .peer_certs()
+            .extensions()
+            .get::<ConnectInfo>()
+            .and_then(ConnectInfo::peer_certs)
             .ok_or_else(|| Status::unauthenticated("a client certificate is required"))?;
         let leaf = certs
             .first()
@@ -235,50 +241,29 @@ async fn serve_metrics(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<(), Se
     Ok(())
 }
 
-/// Builds the agent and serves it until `shutdown` completes.
-pub async fn serve(
-    config: ServerConfig,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServerError> {
-    let metrics = Arc::new(Metrics::new());
-    let agent = build_agent(&config, &metrics).await?;
-    if let Some(addr) = config.metrics_listen {
-        if !addr.ip().is_loopback() {
-            tracing::warn!(%addr, "metrics are served without authentication on a non-loopback address");
-        }
-        serve_metrics(addr, Arc::clone(&metrics)).await?;
-    }
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(ServerError::Reflection)?;
-    let service = AgentService::new(agent, metrics);
-    let mut builder = Server::builder();
-    let router = match (&config.tls, config.insecure_plaintext) {
-        (Some(tls), _) => {
-            let identity = Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
-            let tls_config = ServerTlsConfig::new()
-                .identity(identity)
-                .client_ca_root(Certificate::from_pem(read(&tls.client_ca)?));
-            builder = builder.tls_config(tls_config).map_err(ServerError::Tls)?;
-            let expected: Arc<str> = tls.authorized_client.as_str().into();
-            // Reflection describes the API to whoever asks: only to the authorised client too.
-            builder
-                .add_service(AgentServer::with_interceptor(
-                    service,
-                    authorize(Arc::clone(&expected)),
-                ))
-                .add_service(InterceptedService::new(reflection, authorize(expected)))
-        }
+/// The mTLS configuration `config` asks for, or none where plaintext is asked for explicitly.
+fn server_tls(
+    config: &ServerConfig,
+) -> Result<Option<Arc<pillar_grpc_unix::rustls::ServerConfig>>, ServerError> {
+    match (&config.tls, config.insecure_plaintext) {
+        (Some(tls), _) => pillar_grpc_unix::tls::mtls_server_config(
+            &read(&tls.cert)?,
+            &read(&tls.key)?,
+            &read(&tls.client_ca)?,
+        )
+        .map(Some)
+        .map_err(ServerError::Tls),
         (None, true) => {
             tracing::warn!("serving gRPC without TLS (--insecure-plaintext)");
-            builder
-                .add_service(AgentServer::new(service))
-                .add_service(reflection)
+            Ok(None)
         }
-        (None, false) => return Err(ServerError::NoTls),
-    };
-    match &config.listen {
+        (None, false) => Err(ServerError::NoTls),
+    }
+}
+
+/// Binds the gRPC listener.
+async fn bind(listen: &Listen) -> Result<Listener, ServerError> {
+    match listen {
         Listen::Unix(path) => {
             // A socket left by a previous run would make bind fail.
             let _ = std::fs::remove_file(path);
@@ -293,19 +278,71 @@ pub async fn serve(
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
             tracing::info!(socket = %path.display(), "serving gRPC");
-            // Every client's authority accepted (C-core clients send the socket path).
-            let incoming = pillar_grpc_unix::incoming(listener);
-            router
-                .serve_with_incoming_shutdown(incoming, shutdown)
-                .await
-                .map_err(ServerError::Serve)
+            Ok(Listener::Unix(listener))
         }
         Listen::Tcp(addr) => {
-            tracing::info!(%addr, "serving gRPC");
-            router
-                .serve_with_shutdown(*addr, shutdown)
+            let listener = tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(ServerError::Serve)
+                .map_err(|source| ServerError::Bind {
+                    what: addr.to_string(),
+                    source,
+                })?;
+            tracing::info!(%addr, "serving gRPC");
+            Ok(Listener::Tcp(listener))
         }
     }
+}
+
+/// Builds the agent and serves it with the default bounds until `shutdown` completes.
+pub async fn serve(
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    serve_with_limits(config, Limits::default(), shutdown).await
+}
+
+/// Builds the agent and serves it within `limits` until `shutdown` completes.
+pub async fn serve_with_limits(
+    config: ServerConfig,
+    limits: Limits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let metrics = Arc::new(Metrics::new());
+    let agent = build_agent(&config, &metrics).await?;
+    if let Some(addr) = config.metrics_listen {
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "metrics are served without authentication on a non-loopback address");
+        }
+        serve_metrics(addr, Arc::clone(&metrics)).await?;
+    }
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(ServerError::Reflection)?
+        .max_decoding_message_size(limits.max_request_bytes);
+    let agent = AgentServer::new(AgentService::new(agent, metrics))
+        .max_decoding_message_size(limits.max_request_bytes);
+    let tls = server_tls(&config)?;
+    let mut builder = limits.server(Arc::default());
+    // `tls` is there exactly where `config.tls` is.
+    let router = match &config.tls {
+        Some(files) => {
+            let expected: Arc<str> = files.authorized_client.as_str().into();
+            // Reflection describes the API to whoever asks: only to the authorised client too.
+            builder
+                .add_service(InterceptedService::new(
+                    agent,
+                    authorize(Arc::clone(&expected)),
+                ))
+                .add_service(InterceptedService::new(reflection, authorize(expected)))
+        }
+        None => builder.add_service(agent).add_service(reflection),
+    };
+    // On a unix socket every client's authority is accepted (C-core clients send the socket
+    // path), read under TLS where TLS is used.
+    let incoming = Incoming::new(bind(&config.listen).await?, limits.accept_options(tls));
+    router
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+        .map_err(ServerError::Serve)
 }

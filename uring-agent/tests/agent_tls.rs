@@ -227,3 +227,202 @@ async fn scrape(addr: SocketAddr) -> String {
     s.read_to_string(&mut out).await.unwrap();
     out
 }
+
+/// Starts an mTLS agent on `listen` authorising `controller.pillar.test`.
+fn serve_mtls(
+    pki: &Pki,
+    dirs: &Dirs,
+    listen: Listen,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), pillar_agent::server::ServerError>>,
+) {
+    let (cert, key) = pki.leaf("agent.pillar.test");
+    let mut config = dirs.config(EngineKind::Sync);
+    config.listen = listen;
+    config.insecure_plaintext = false;
+    config.tls = Some(TlsFiles {
+        cert: write(dirs.tmp.path(), "server.pem", &cert),
+        key: write(dirs.tmp.path(), "server.key", &key),
+        client_ca: write(dirs.tmp.path(), "ca.pem", &pki.ca.pem()),
+        authorized_client: "controller.pillar.test".into(),
+    });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(config, async {
+        let _ = stopped.await;
+    }));
+    (stop, server)
+}
+
+/// A channel to the agent's unix socket, TLS by tonic's client.
+async fn unix_channel(
+    socket: &Path,
+    pki: &Pki,
+    identity: Option<&str>,
+) -> Result<Channel, tonic::transport::Error> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(pki.ca.pem()))
+        .domain_name("agent.pillar.test");
+    if let Some(name) = identity {
+        let (cert, key) = pki.leaf(name);
+        tls = tls.identity(Identity::from_pem(cert, key));
+    }
+    let socket = socket.to_owned();
+    Endpoint::from_static("https://agent.pillar.test")
+        .tls_config(tls)?
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let socket = socket.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(socket).await?,
+                ))
+            }
+        }))
+        .await
+}
+
+/// Waits for the agent's socket to accept a connection.
+async fn socket_up(socket: &Path) {
+    for _ in 0..200 {
+        if tokio::net::UnixStream::connect(socket).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("the agent did not listen on {}", socket.display());
+}
+
+/// Issue 22, defect 4: the authorisation read the client certificate through tonic's TCP-only
+/// connect info, so on a unix socket it found none and refused even the authorised controller.
+#[tokio::test]
+async fn mtls_on_a_unix_socket_authorises_the_controller_and_refuses_others() {
+    let pki = Pki::new();
+    let dirs = Dirs::new();
+    let socket = dirs.socket();
+    let (stop, server) = serve_mtls(&pki, &dirs, Listen::Unix(socket.clone()));
+    socket_up(&socket).await;
+
+    let mut good = AgentClient::new(
+        unix_channel(&socket, &pki, Some("controller.pillar.test"))
+            .await
+            .unwrap(),
+    );
+    if let Err(status) = good.health(api::HealthRequest {}).await {
+        panic!("the authorised controller was refused: {status:?}");
+    }
+    let mut other = AgentClient::new(
+        unix_channel(&socket, &pki, Some("intruder.pillar.test"))
+            .await
+            .unwrap(),
+    );
+    let status = other
+        .create_volume(create_req("u1", 1, "t1", 1 << 20))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::PermissionDenied,
+        "{}",
+        status.message()
+    );
+    let refused = match unix_channel(&socket, &pki, None).await {
+        Err(_) => true,
+        Ok(c) => AgentClient::new(c)
+            .health(api::HealthRequest {})
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a client without a certificate was served");
+
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}
+
+/// A `SecureRandom` for the client whose every output puts `frame` (an HTTP/2 frame header's
+/// length and type) at bytes 13..17 of the ClientHello random: bytes 24..28 of the connection.
+#[derive(Debug)]
+struct CraftedRandom {
+    frame: [u8; 4],
+}
+
+impl tokio_rustls::rustls::crypto::SecureRandom for CraftedRandom {
+    fn fill(&self, buf: &mut [u8]) -> Result<(), tokio_rustls::rustls::crypto::GetRandomFailed> {
+        buf.fill(0x5a);
+        if buf.len() >= 17 {
+            buf[13..17].copy_from_slice(&self.frame);
+        }
+        Ok(())
+    }
+}
+
+/// A TLS connection to `socket` whose ClientHello has `frame` at bytes 24..28.
+async fn crafted_tls(
+    socket: std::path::PathBuf,
+    pki_ca: String,
+    identity: (String, String),
+    frame: [u8; 4],
+) -> std::io::Result<hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::UnixStream>>>
+{
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+    let mut provider = tokio_rustls::rustls::crypto::ring::default_provider();
+    provider.secure_random = Box::leak(Box::new(CraftedRandom { frame }));
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(pki_ca.as_bytes()).unwrap())
+        .unwrap();
+    let certs = CertificateDer::pem_slice_iter(identity.0.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_slice(identity.1.as_bytes()).unwrap();
+    let mut config = ClientConfig::builder_with_provider(std::sync::Arc::new(provider))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(certs, key)
+        .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let stream = tokio::net::UnixStream::connect(socket).await?;
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(ServerName::try_from("agent.pillar.test").unwrap(), stream)
+        .await?;
+    Ok(hyper_util::rt::TokioIo::new(tls))
+}
+
+/// Issue 22, defect 3: the rewriter wrapped the raw socket with TLS on top, so it read bytes
+/// 24..33 of the ClientHello (its random) as an HTTP/2 frame header; when they named HEADERS or
+/// CONTINUATION (2 in 256 handshakes) the connection was closed or stalled for ever. Here the
+/// client's random says so every time, with a length that stalls and one that closes.
+#[tokio::test]
+async fn mtls_on_a_unix_socket_completes_whatever_the_client_hello_holds() {
+    let pki = Pki::new();
+    let dirs = Dirs::new();
+    let socket = dirs.socket();
+    let (stop, server) = serve_mtls(&pki, &dirs, Listen::Unix(socket.clone()));
+    socket_up(&socket).await;
+    let identity = pki.leaf("controller.pillar.test");
+    for frame in [
+        [0x00, 0x01, 0x00, 0x01], // HEADERS of 256 bytes: waited for, for ever
+        [0x0f, 0xff, 0xff, 0x09], // CONTINUATION of 1 MiB: refused, connection closed
+        [0x00, 0x00, 0x10, 0x01], // HEADERS of 16 bytes: decoded as HPACK
+    ] {
+        let endpoint = Endpoint::from_static("http://agent.pillar.test");
+        let connect = {
+            let (socket, ca, identity) = (socket.clone(), pki.ca.pem(), identity.clone());
+            endpoint.connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                crafted_tls(socket.clone(), ca.clone(), identity.clone(), frame)
+            }))
+        };
+        let channel = tokio::time::timeout(std::time::Duration::from_secs(10), connect)
+            .await
+            .unwrap_or_else(|_| panic!("handshake with {frame:02x?} at byte 24 stalled"))
+            .unwrap_or_else(|e| panic!("handshake with {frame:02x?} at byte 24 failed: {e:?}"));
+        let answer = AgentClient::new(channel)
+            .health(api::HealthRequest {})
+            .await;
+        assert!(answer.is_ok(), "{frame:02x?}: {answer:?}");
+    }
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}

@@ -13,7 +13,7 @@ use pillar_csi::controller::metrics::serve_metrics;
 use pillar_csi::controller::{Controller, ControllerService};
 use pillar_csi::identity::IdentityService;
 use pillar_csi::node::{AttachMode, NodeConfig, NodeService};
-use pillar_csi::serve::{serve, socket_path};
+use pillar_csi::serve::{serve_with_limits, socket_path};
 use pillar_host::HostPaths;
 use pillar_state::lease::{Elector, Leadership, LeaseSettings};
 use pillar_state::store::StateStore;
@@ -43,6 +43,7 @@ async fn main() -> anyhow::Result<()> {
             leader_election_renew_deadline_secs,
             leader_election_retry_period_secs,
             metrics_listen,
+            grpc,
         } => {
             // The pod's name (deploy/base/controller.yaml sets POD_NAME) names this replica in its
             // Events and as the Lease holder. Without one the controller refuses to start with
@@ -122,11 +123,12 @@ async fn main() -> anyhow::Result<()> {
                     serve_metrics(addr, controller.metrics(), std::future::pending()).await?;
                 tracing::info!(%bound, "serving metrics at /metrics");
             }
-            let served = serve::<NodeService>(
+            let served = serve_with_limits::<NodeService>(
                 &socket_path(&endpoint),
                 IdentityService,
                 Some(ControllerService::new(controller)),
                 None,
+                grpc,
                 pillar_csi::until_signal(),
             )
             .await
@@ -145,6 +147,7 @@ async fn main() -> anyhow::Result<()> {
             hostnqn_file,
             hostid_file,
             topology,
+            grpc,
         } => {
             let host_nqn = read_trimmed(&hostnqn_file)?.parse().context("host NQN")?;
             let host_id = read_trimmed(&hostid_file)?.parse().context("host ID")?;
@@ -160,11 +163,12 @@ async fn main() -> anyhow::Result<()> {
                 topology: topology.into_iter().collect(),
             })
             .context("node plugin")?;
-            serve(
+            serve_with_limits(
                 &socket_path(&endpoint),
                 IdentityService,
                 None,
                 Some(node),
+                grpc,
                 pillar_csi::until_signal(),
             )
             .await

@@ -5,7 +5,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use pillar_agent::cli::{Args, TargetKind};
-use pillar_agent::server::{ServerConfig, TlsFiles, serve};
+use pillar_agent::server::{ServerConfig, TlsFiles, serve_with_limits};
 use pillar_agent::service::AgentSettings;
 use pillar_agent::target::TargetConfig;
 
@@ -75,5 +75,7 @@ async fn main() -> anyhow::Result<()> {
         }
         tracing::info!("shutting down");
     };
-    serve(config, shutdown).await.context("pillar-agent failed")
+    serve_with_limits(config, args.grpc, shutdown)
+        .await
+        .context("pillar-agent failed")
 }

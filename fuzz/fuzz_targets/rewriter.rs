@@ -1,0 +1,4 @@
+//! The authority rewriter against h2's decoder: see `pillar_fuzz::rewriter`.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| pillar_fuzz::rewriter::check(data));
