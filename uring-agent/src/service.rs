@@ -595,9 +595,13 @@ impl Agent {
         if closes {
             // Unlinking the subsystem from its ports deletes its controllers; only the hosts
             // the ACL now admits reconnect.
-            self.target
-                .apply(&guard, plan_cut_connections(&after, &nqn))
-                .await?;
+            let cut = plan_cut_connections(&after, &nqn, &spec.ports).map_err(|source| {
+                AgentError::Plan {
+                    volume: volume.to_string(),
+                    source,
+                }
+            })?;
+            self.target.apply(&guard, cut).await?;
             tracing::info!(%volume, "export closed a subsystem that admitted any host: live connections cut");
         }
         drop(guard);
