@@ -826,8 +826,8 @@ mod tests {
     #[test]
     fn a_size_update_after_a_field_is_refused() {
         let mut input = PREFACE.to_vec();
-        // :method POST, then a size update to 0: refused; at the start: followed.
-        input.extend(frame(HEADERS, END_HEADERS, 1, &[0x83, 0x20]));
+        // :method POST, a size update to 0, :scheme http: refused; at the start: followed.
+        input.extend(frame(HEADERS, END_HEADERS, 1, &[0x83, 0x20, 0x86]));
         assert!(matches!(
             run(&input, 64),
             Err(RewriteError::Hpack { stream: 1, .. })
