@@ -69,20 +69,23 @@ struct Scale {
 #[test]
 fn load_within_bounds() {
     run(Scale {
-        connections: 1_500,
-        calls: 12_000,
+        connections: 2_000,
+        calls: 20_000,
         bombs: 50,
         deadline: Duration::from_secs(60),
     });
 }
 
+/// `PILLAR_LOAD_SCALE=CONNECTIONS,CALLS,BOMBS` runs another scale.
 #[test]
 #[ignore = "the large run, by hand in release (see the module documentation)"]
 fn load_at_scale() {
+    let scale = std::env::var("PILLAR_LOAD_SCALE").unwrap_or_else(|_| "8000,100000,500".into());
+    let n: Vec<usize> = scale.split(',').map(|n| n.parse().unwrap()).collect();
     run(Scale {
-        connections: 8_000,
-        calls: 100_000,
-        bombs: 500,
+        connections: n[0],
+        calls: n[1],
+        bombs: n[2],
         deadline: Duration::from_secs(120),
     });
 }
@@ -297,9 +300,9 @@ async fn channel(socket: &Path) -> Result<Channel, tonic::transport::Error> {
 
 /// Opens `n` connections to `socket`, 200 at a time, each tried with one `probe` call: the
 /// connections the server took (the probe answered OK or RESOURCE_EXHAUSTED), and how many it
-/// refused (at connect, or the probe failed: UNAVAILABLE for a GOAWAY(REFUSED_STREAM), a
-/// transport error where the server had to close at once). Refused connections are not used
-/// further: their channels would only reconnect and be refused again.
+/// refused, which must all be UNAVAILABLE (GOAWAY(REFUSED_STREAM) after the probe's request).
+/// Refused connections are not used further: their channels would only reconnect and be
+/// refused again.
 async fn connections<F, Fut>(socket: &Path, n: usize, probe: F) -> (Vec<Channel>, Tally)
 where
     F: Fn(Channel) -> Fut,
@@ -309,12 +312,20 @@ where
     let mut refused = Tally::new();
     for chunk in (0..n).collect::<Vec<_>>().chunks(200) {
         let opened = futures::future::join_all(chunk.iter().map(|_| async {
-            let c = channel(socket).await.map_err(|_| "connect".to_owned())?;
-            match probe(c.clone()).await {
-                Ok(()) => Ok(c),
-                Err(s) if s.code() == Code::ResourceExhausted => Ok(c),
-                Err(s) => Err(format!("{:?}", s.code())),
-            }
+            let attempt = async {
+                let c = tokio::time::timeout(Duration::from_secs(20), channel(socket))
+                    .await
+                    .map_err(|_| "hung-connect".to_owned())?
+                    .map_err(|_| "connect".to_owned())?;
+                match probe(c.clone()).await {
+                    Ok(()) => Ok(c),
+                    Err(s) if s.code() == Code::ResourceExhausted => Ok(c),
+                    Err(s) => Err(format!("{:?}", s.code())),
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(30), attempt)
+                .await
+                .unwrap_or_else(|_| Err("hung".to_owned()))
         }))
         .await;
         for c in opened {
@@ -324,6 +335,12 @@ where
             }
         }
     }
+    assert!(
+        refused.keys().all(|k| k == "Unavailable"),
+        "connections refused otherwise than UNAVAILABLE (hung: neither taken nor refused \
+         within 30 s): {refused:?}, {} served",
+        served.len()
+    );
     (served, refused)
 }
 
@@ -617,8 +634,22 @@ async fn load_controller(dir: &Path, scale: Scale) {
         "the controller's peak memory {peak} KiB is over {PEAK_BOUND_KIB} KiB"
     );
 
-    // Every volume is there once, and a create of each answers as for an existing volume.
-    let mut client = ControllerClient::new(channel(&controller.socket).await.unwrap());
+    // Every volume is there once, and a create of each answers as for an existing volume. The
+    // load's connections were just closed; the server may not have seen it yet.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut client = loop {
+        let mut c = ControllerClient::new(channel(&controller.socket).await.unwrap());
+        match c
+            .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+            .await
+        {
+            Ok(_) => break c,
+            Err(s) if s.code() == Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(s) => panic!("no connection served after the load: {s:?}"),
+        }
+    };
     let mut ids = Vec::new();
     for v in 0..CSI_VOLUMES {
         let created = client

@@ -5,11 +5,11 @@
 //! - At most `max_connections` connections are open or handshaking at once: each holds a
 //!   permit from accept until the server drops it. A connection beyond is accepted and refused
 //!   at once; nothing waits in a queue of this process beyond the listen backlog. A plaintext
-//!   one is answered SETTINGS and GOAWAY(REFUSED_STREAM), which gRPC clients report as
-//!   UNAVAILABLE, and kept until the client closes it or [`REFUSAL_LINGER`] passed (closed
-//!   earlier, the client's request would fail writing, without the reason), at most
-//!   [`MAX_LINGERING`] at once (beyond, closed at once); a TLS one is closed at once (the
-//!   client's TLS connect fails: UNAVAILABLE).
+//!   one is answered SETTINGS and GOAWAY(REFUSED_STREAM) once its first request arrived, which
+//!   gRPC clients report as UNAVAILABLE, and kept until the client closes it or
+//!   [`REFUSAL_LINGER`] passed (closed earlier, the client's request would fail writing,
+//!   without the reason), at most [`MAX_LINGERING`] at once (beyond, closed at once); a TLS one
+//!   is closed at once (the client's TLS connect fails: UNAVAILABLE).
 //! - A TLS handshake runs in its own task and ends within `handshake_timeout`, so a client that
 //!   stops mid-handshake holds its permit no longer than that and never blocks the accept loop.
 //! - On a unix socket the rewriter reads the decrypted stream: it never sees TLS records.
@@ -154,6 +154,8 @@ impl AsyncWrite for Connection {
 
 /// How long a refused plaintext connection is kept for its client to read the refusal.
 pub const REFUSAL_LINGER: Duration = Duration::from_secs(1);
+/// How much of a refused client's first bytes are read, at most, looking for its request.
+pub const REFUSAL_WAIT: usize = 16 * 1024;
 /// Refused connections kept at once for their clients to read the refusal.
 pub const MAX_LINGERING: usize = 256;
 
@@ -164,8 +166,13 @@ enum Accepted {
 }
 
 impl Accepted {
-    /// Answers the refusal and keeps the socket (reading and dropping what the client sends)
-    /// until the client closes it or [`REFUSAL_LINGER`] passed, holding `permit` so long.
+    /// Answers the refusal once the client sent its first request (or [`REFUSAL_WAIT`] bytes,
+    /// or stopped), then keeps the socket, reading and dropping what the client sends, until
+    /// the client closes it; all within [`REFUSAL_LINGER`], holding `permit` so long.
+    ///
+    /// Answered before its request went out, a client (tonic's) takes the connection for
+    /// closed before it was used, reconnects at once and queues the call again, for ever;
+    /// answered after, the call is refused (REFUSED_STREAM: UNAVAILABLE) and ends.
     fn refuse(self, permit: OwnedSemaphorePermit) {
         tokio::spawn(async move {
             let _permit = permit;
@@ -174,14 +181,36 @@ impl Accepted {
                     Self::Unix(s) => Box::new(s),
                     Self::Tcp(s, _) => Box::new(s),
                 };
+                let mut seen = Vec::new();
+                let mut chunk = [0_u8; 1024];
+                while !sent_a_request(&seen) && seen.len() < REFUSAL_WAIT {
+                    let n = io.read(&mut chunk).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    seen.extend(&chunk[..n]);
+                }
                 io.write_all(&refusal()).await?;
-                let mut sink = [0_u8; 1024];
-                while io.read(&mut sink).await? > 0 {}
+                while io.read(&mut chunk).await? > 0 {}
                 Ok::<_, io::Error>(())
             };
             let _ = tokio::time::timeout(REFUSAL_LINGER, linger).await;
         });
     }
+}
+
+/// Whether a client's first bytes (the preface, then frames) hold a HEADERS frame's header.
+fn sent_a_request(bytes: &[u8]) -> bool {
+    let mut frames = bytes.get(24..).unwrap_or_default();
+    while let Some(header) = frames.get(..9) {
+        if header[3] == 0x1 {
+            return true;
+        }
+        let len =
+            usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+        frames = frames.get(9 + len..).unwrap_or_default();
+    }
+    false
 }
 
 /// SETTINGS (none) and GOAWAY(last stream 0, REFUSED_STREAM): the server's whole answer to a
