@@ -430,26 +430,6 @@ impl RbacPolicy {
             })
             .collect()
     }
-
-    /// Every ServiceAccount some binding names (for tests that list who can do what).
-    pub fn service_accounts(&self) -> Vec<ServiceAccount> {
-        let mut out: Vec<ServiceAccount> = self
-            .bindings
-            .iter()
-            .flat_map(|b| {
-                b.subjects
-                    .iter()
-                    .filter(|s| s.kind == "ServiceAccount")
-                    .filter_map(|s| {
-                        let ns = s.namespace.as_ref().or(b.namespace.as_ref())?;
-                        Some(ServiceAccount::new(ns, &s.name))
-                    })
-            })
-            .collect();
-        out.sort();
-        out.dedup();
-        out
-    }
 }
 
 #[cfg(test)]
@@ -561,7 +541,6 @@ subjects: [{kind: ServiceAccount, name: sa}]
         assert!(p.allows(&sa, &req("PUT", lease)));
         let elsewhere = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/l";
         assert!(!p.allows(&sa, &req("PUT", elsewhere)));
-        assert_eq!(p.service_accounts(), vec![sa]);
     }
 
     #[test]

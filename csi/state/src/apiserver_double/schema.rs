@@ -51,33 +51,34 @@ impl CrdSchemas {
         let Some(schema) = self.by_plural.get(plural) else {
             return Ok(());
         };
-        let props = schema.get("properties").and_then(Value::as_object);
-        // apiVersion, kind and metadata are the server's; everything else follows the schema.
-        obj.retain(|k, _| {
-            matches!(k.as_str(), "apiVersion" | "kind" | "metadata")
-                || props.is_some_and(|p| p.contains_key(k))
-        });
+        // apiVersion, kind and metadata are the server's; everything else follows the schema,
+        // the root object like any other.
+        let server_fields: Vec<(String, Value)> = ["apiVersion", "kind", "metadata"]
+            .into_iter()
+            .filter_map(|k| obj.remove(k).map(|v| (k.to_owned(), v)))
+            .collect();
+        let mut root = Value::Object(std::mem::take(obj));
+        prune_and_default(schema, &mut root);
         let mut errors = Vec::new();
-        for (key, value) in obj.iter_mut() {
-            if let Some(sub) = props.and_then(|p| p.get(key))
-                && !matches!(key.as_str(), "apiVersion" | "kind" | "metadata")
-            {
-                prune_and_default(sub, value);
-                validate(sub, value, key, &mut errors);
-            }
+        validate(schema, &root, "", &mut errors);
+        if let Value::Object(map) = root {
+            *obj = map;
         }
-        if let Some(required) = schema.get("required").and_then(Value::as_array) {
-            for field in required.iter().filter_map(Value::as_str) {
-                if !obj.contains_key(field) {
-                    errors.push((field.to_owned(), "Required value".to_owned()));
-                }
-            }
-        }
+        obj.extend(server_fields);
         if errors.is_empty() {
             Ok(())
         } else {
             Err(errors)
         }
+    }
+}
+
+/// `path.key`, or `key` at the root.
+fn field_path(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{path}.{key}")
     }
 }
 
@@ -199,13 +200,13 @@ fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<(String,
             let additional = schema.get("additionalProperties").filter(|a| a.is_object());
             for (key, item) in map {
                 if let Some(sub) = props.and_then(|p| p.get(key)).or(additional) {
-                    validate(sub, item, &format!("{path}.{key}"), errors);
+                    validate(sub, item, &field_path(path, key), errors);
                 }
             }
             if let Some(required) = schema.get("required").and_then(Value::as_array) {
                 for field in required.iter().filter_map(Value::as_str) {
                     if !map.contains_key(field) {
-                        errors.push((format!("{path}.{field}"), "Required value".into()));
+                        errors.push((field_path(path, field), "Required value".into()));
                     }
                 }
             }
