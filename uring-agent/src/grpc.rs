@@ -199,6 +199,46 @@ fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
     })
 }
 
+/// The request-field parsers the handlers below apply to what a client sent, for the fuzz
+/// targets (`fuzz/`); not part of the crate's API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::{AgentError, ContentSource, ExportRequest, api};
+    use pillar_nvmet::{HostNqn, VolumeId};
+
+    pub fn volume_id(raw: &str) -> Result<VolumeId, AgentError> {
+        super::volume_id(raw)
+    }
+
+    pub fn snapshot_id(field: &'static str, raw: &str) -> Result<VolumeId, AgentError> {
+        super::snapshot_id(field, raw)
+    }
+
+    pub fn content_source(
+        raw: Option<api::ContentSource>,
+    ) -> Result<Option<(ContentSource, String)>, AgentError> {
+        super::content_source(raw)
+    }
+
+    pub fn host_nqn(field: &'static str, raw: &str) -> Result<HostNqn, AgentError> {
+        super::host_nqn(field, raw)
+    }
+
+    /// The size, in bytes, of a valid `size_bytes`.
+    pub fn size(raw: u64) -> Result<u64, AgentError> {
+        super::size(raw).map(|s| s.bytes())
+    }
+
+    pub fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
+        super::export_request(r)
+    }
+
+    /// The gRPC code a client gets for `err`.
+    pub fn code(err: &AgentError) -> tonic::Code {
+        super::code_of(super::reason_of(err))
+    }
+}
+
 /// Runs a request on its own task: once started it runs to its end (done, or a durable
 /// failure) holding its locks, whatever the caller does (F11). A caller that goes away (a
 /// deadline, a crash) drops only the wait for the answer, never the work its locks guard.

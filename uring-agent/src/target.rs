@@ -437,14 +437,7 @@ impl Target {
         let path = self.identities.path().join(Self::identity_file(volume));
         match std::fs::read(&path) {
             Ok(bytes) => {
-                let record: IdentityRecord = serde_json::from_slice(&bytes).map_err(|e| {
-                    TargetError::CorruptIdentityRecord {
-                        path: path.clone(),
-                        reason: e.to_string(),
-                    }
-                })?;
-                record
-                    .validate()
+                let record = IdentityRecord::decode(&bytes)
                     .map_err(|reason| TargetError::CorruptIdentityRecord { path, reason })?;
                 Ok(Some(record))
             }
@@ -459,8 +452,9 @@ impl Target {
         volume: &VolumeId,
         record: &IdentityRecord,
     ) -> Result<(), TargetError> {
-        let bytes =
-            serde_json::to_vec_pretty(record).map_err(|e| TargetError::WriteIdentityRecord {
+        let bytes = record
+            .encode()
+            .map_err(|e| TargetError::WriteIdentityRecord {
                 volume: volume.to_string(),
                 source: EngineError::Unavailable {
                     reason: e.to_string(),
@@ -496,6 +490,18 @@ pub struct IdentityRecord {
 }
 
 impl IdentityRecord {
+    /// Parses and checks a record file's content; the reason when it is not a valid record.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let record: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        record.validate()?;
+        Ok(record)
+    }
+
+    /// A record file's content.
+    pub fn encode(&self) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec_pretty(self)
+    }
+
     fn validate(&self) -> Result<(), String> {
         self.namespace()?;
         Serial::parse(&self.serial).map_err(|e| e.to_string())?;

@@ -113,6 +113,13 @@ impl StageRecord {
         }
     }
 
+    /// The file's content: pretty JSON and a newline.
+    fn to_bytes(&self) -> Result<Vec<u8>, serde_json::Error> {
+        let mut bytes = serde_json::to_vec_pretty(&self.to_file())?;
+        bytes.push(b'\n');
+        Ok(bytes)
+    }
+
     fn from_bytes(bytes: &[u8]) -> Result<Self, StageRecordError> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Err(StageRecordError::Empty);
@@ -143,6 +150,22 @@ impl StageRecord {
             phase: f.phase,
             reservation: f.reservation,
         })
+    }
+}
+
+/// The record's codec, for the fuzz targets (`fuzz/`); not part of the crate's API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::{StageRecord, StageRecordError};
+
+    /// Parses a record file's content as [`super::StageStore::read`] does.
+    pub fn decode(bytes: &[u8]) -> Result<StageRecord, StageRecordError> {
+        StageRecord::from_bytes(bytes)
+    }
+
+    /// A record file's content as [`super::StageStore::write`] writes it.
+    pub fn encode(record: &StageRecord) -> Result<Vec<u8>, serde_json::Error> {
+        record.to_bytes()
     }
 }
 
@@ -209,12 +232,12 @@ impl StageStore {
 
     /// Atomically and durably replaces the record of `record.volume`.
     pub fn write(&self, record: &StageRecord) -> Result<(), HostError> {
-        let bytes = serde_json::to_vec_pretty(&record.to_file()).map_err(|source| {
-            HostError::EncodeStageRecord {
+        let bytes = record
+            .to_bytes()
+            .map_err(|source| HostError::EncodeStageRecord {
                 volume: record.volume.to_string(),
                 source,
-            }
-        })?;
+            })?;
         let path = self.path_of(&record.volume);
         let tmp = self.dir.join(format!(
             ".{}{TMP_MARK}{}-{}",
@@ -230,7 +253,6 @@ impl StageStore {
                 .open(&tmp)
                 .map_err(io_err(&tmp))?;
             f.write_all(&bytes).map_err(io_err(&tmp))?;
-            f.write_all(b"\n").map_err(io_err(&tmp))?;
             f.sync_all().map_err(io_err(&tmp))?;
             drop(f);
             fs::rename(&tmp, &path).map_err(io_err(&path))

@@ -61,6 +61,17 @@ pub use record::CAS_ATTEMPTS;
 pub use request::volume_id_for_name;
 pub use service::ControllerService;
 
+/// The request parsers each RPC applies to what a client sent, for the fuzz targets (`fuzz/`);
+/// not part of the crate's API.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use super::request::{
+        Create, Expand, Page, Publish, SizeRange, Source, Unpublish, VolumeRef, create,
+        create_snapshot, delete, expand, get, list, list_snapshots, page_token, publish,
+        snapshot_ref, unpublish, validate, volume_id_for_name,
+    };
+}
+
 /// StorageClass parameters pillar understands.
 pub mod params {
     /// The PillarAgent (storage node) to provision on; optional when there is exactly one.

@@ -28,6 +28,15 @@ use pillar_nvmet::VolumeId;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
+/// The request parsers each RPC applies to what a client sent, for the fuzz targets (`fuzz/`);
+/// not part of the crate's API.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use super::request::{
+        AttachTarget, StageContext, capability, path, published_path, stage_context, volume_id,
+    };
+}
+
 pub use config::{AttachMode, DEFAULT_CONNECT_TIMEOUT, NodeConfig};
 pub use engine::DEFAULT_FS;
 pub use error::{NodeError, code_of, describe};

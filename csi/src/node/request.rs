@@ -15,7 +15,7 @@ use crate::context;
 use crate::csi::VolumeCapability;
 
 /// A non-empty, valid pillar volume ID.
-pub(crate) fn volume_id(id: &str) -> Result<VolumeId, NodeError> {
+pub fn volume_id(id: &str) -> Result<VolumeId, NodeError> {
     if id.is_empty() {
         return Err(NodeError::MissingField("volume_id"));
     }
@@ -26,7 +26,7 @@ pub(crate) fn volume_id(id: &str) -> Result<VolumeId, NodeError> {
 }
 
 /// A non-empty absolute path.
-pub(crate) fn path(field: &'static str, value: &str) -> Result<PathBuf, NodeError> {
+pub fn path(field: &'static str, value: &str) -> Result<PathBuf, NodeError> {
     if value.is_empty() {
         return Err(NodeError::MissingField(field));
     }
@@ -43,7 +43,7 @@ pub(crate) fn path(field: &'static str, value: &str) -> Result<PathBuf, NodeErro
 /// The path a published volume is reached at, for calls that report on it (stats, expand): a
 /// path that is not absolute cannot name a mount of this host, so it is reported as not found
 /// (the CSI spec's code when the volume is not at `volume_path`), after the empty check.
-pub(crate) fn published_path(field: &'static str, value: &str) -> Result<PathBuf, NodeError> {
+pub fn published_path(field: &'static str, value: &str) -> Result<PathBuf, NodeError> {
     if value.is_empty() {
         return Err(NodeError::MissingField(field));
     }
@@ -60,7 +60,7 @@ use crate::capability::CapabilityError;
 pub(crate) use crate::capability::{Access, Capability};
 
 /// Checks a volume capability with the parser the controller uses too.
-pub(crate) fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeError> {
+pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeError> {
     let cap = cap.ok_or(NodeError::MissingField("volume_capability"))?;
     crate::capability::parse(cap).map_err(|e| match e {
         CapabilityError::Missing("access mode") => {
@@ -73,7 +73,7 @@ pub(crate) fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, N
 
 /// How to reach the volume's device.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum AttachTarget {
+pub enum AttachTarget {
     /// NVMe/TCP, with every connect option explicit (rule N1).
     Nvme(ConnectOptions),
     /// The single-machine mode: a local block device.
@@ -87,7 +87,7 @@ pub(crate) enum AttachTarget {
 
 /// What NodeStageVolume needs from `publish_context`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct StageContext {
+pub struct StageContext {
     pub nqn: SubsystemNqn,
     pub target: AttachTarget,
     /// `FS_TYPE`, used when the capability names none.
@@ -123,7 +123,7 @@ where
 }
 
 /// Reads and checks the stage keys of `publish_context` for `volume`.
-pub(crate) fn stage_context(
+pub fn stage_context(
     volume: &VolumeId,
     ctx: &HashMap<String, String>,
     mode: &AttachMode,
