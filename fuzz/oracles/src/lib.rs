@@ -14,8 +14,11 @@ pub mod csi_request;
 pub mod records;
 pub mod rewriter;
 
+/// A target's check: panics on a violated property.
+pub type Check = fn(&[u8]);
+
 /// Every target: its name (`fuzz/fuzz_targets/<name>.rs`, `fuzz/corpus/<name>/`) and check.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Check)] = &[
     ("rewriter", rewriter::check),
     ("records", records::check),
     ("agent_request", agent_request::check),
