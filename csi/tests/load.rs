@@ -24,11 +24,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
-use pillar_agent::backend::{PoolConfig, PoolKind};
+use pillar_agent::AgentSettings;
+use pillar_agent::TargetConfig;
 use pillar_agent::fence::MarkStore;
-use pillar_agent::server::{EngineKind, Listen, ServerConfig, serve_with_limits};
-use pillar_agent::service::AgentSettings;
-use pillar_agent::target::TargetConfig;
+use pillar_agent::{EngineKind, Listen, ServerConfig, serve_with_limits};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use pillar_csi::agents::Agents;

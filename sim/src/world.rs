@@ -55,7 +55,7 @@ pub enum SimError {
     #[error("the store refused the world's setup")]
     Store(#[from] pillar_state::StoreError),
     #[error("an agent failed to start")]
-    Agent(#[from] pillar_agent::server::ServerError),
+    Agent(#[from] pillar_agent::ServerError),
 }
 
 /// What one seed did.

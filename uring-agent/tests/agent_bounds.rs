@@ -8,9 +8,10 @@ mod support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use pillar_agent::backend::{PoolConfig, PoolKind};
-use pillar_agent::hooks::{HookPoint, Hooks};
-use pillar_agent::server::{EngineKind, serve_with_limits};
+use pillar_agent::Hooks;
+use pillar_agent::hooks::HookPoint;
+use pillar_agent::{EngineKind, serve_with_limits};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use pillar_grpc_unix::Limits;

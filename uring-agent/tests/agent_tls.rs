@@ -8,7 +8,7 @@ mod support;
 use std::net::SocketAddr;
 use std::path::Path;
 
-use pillar_agent::server::{EngineKind, Listen, TlsFiles, serve};
+use pillar_agent::{EngineKind, Listen, TlsFiles, serve};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
@@ -235,7 +235,7 @@ fn serve_mtls(
     listen: Listen,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), pillar_agent::server::ServerError>>,
+    tokio::task::JoinHandle<Result<(), pillar_agent::ServerError>>,
 ) {
     let (cert, key) = pki.leaf("agent.pillar.test");
     let mut config = dirs.config(EngineKind::Sync);

@@ -35,7 +35,7 @@ use pillar_nvmet::VolumeId;
 use super::loopdev::{self, Binding, Detach};
 use super::{
     BackendError, Capacity, ContentSource, CopyInto, CopyPolicy, MIB, SnapshotInfo, VolumeInfo,
-    checked_size, copy, round_up,
+    checked_size, copy,
 };
 
 /// File name extension of backing files.
@@ -111,6 +111,7 @@ impl FileBackend {
     /// The same backend binding loop devices without direct I/O (buffered through the page
     /// cache). Direct I/O is the default.
     #[must_use]
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn with_direct_io(self, direct_io: bool) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -124,24 +125,28 @@ impl FileBackend {
     }
 
     /// The canonical pool directory.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn dir(&self) -> &Path {
         &self.inner.dir
     }
 
     /// How many times this backend read every `/sys/block/loopN` to find a volume's device
     /// (a cost that grows with the node's loop devices; see the module docs for when).
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn loop_scans(&self) -> u64 {
         self.inner.scans.load(Ordering::Relaxed)
     }
 
     /// The backing file of `volume`.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn backing_file(&self, volume: &VolumeId) -> PathBuf {
         self.inner.backing_file(volume)
     }
 
     /// `size_bytes` rounded up to a multiple of 1 MiB.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn round_size(&self, size_bytes: u64) -> u64 {
-        round_up(size_bytes, Self::GRANULARITY)
+        super::round_up(size_bytes, Self::GRANULARITY)
     }
 
     pub async fn create(

@@ -36,6 +36,7 @@ const LO_KEY_SIZE: usize = 32;
 
 /// `LO_FLAGS_AUTOCLEAR`: detach at last close. pillar never sets it (exports must outlive the
 /// agent); the kernel sets it itself for a deferred `LOOP_CLR_FD`.
+#[cfg(any(test, feature = "test-seams"))]
 pub const LO_FLAGS_AUTOCLEAR: u32 = 4;
 /// `LO_FLAGS_DIRECT_IO`: the loop device reads and writes its backing file with `O_DIRECT`,
 /// so data is not cached twice (once for the loop device, once for the file).
@@ -401,6 +402,7 @@ pub fn detach(index: u32, wait: Duration) -> Result<Detach, LoopError> {
 }
 
 /// Whether loop device `index` is bound to a file (its sysfs `loop/` directory exists).
+#[cfg(any(test, feature = "test-seams"))]
 pub fn is_bound(index: u32) -> bool {
     sysfs_dir(index).join("loop").exists()
 }
