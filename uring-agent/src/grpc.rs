@@ -639,7 +639,7 @@ mod tests {
     //! cases per property.
     #![allow(clippy::unwrap_used)]
 
-    use pillar_nvmet::names::DISCOVERY_NQN;
+    use pillar_nvmet::DISCOVERY_NQN;
     use proptest::prelude::*;
 
     use super::*;

@@ -133,11 +133,11 @@ impl TargetGuard<'_> {
 pub fn touches_shared(op: &Op) -> bool {
     let mut parts = op.path().components();
     let top = parts.next().map(|c| c.as_os_str());
-    let shared_dir = top == Some(pillar_nvmet::model::PORTS.as_ref())
-        || top == Some(pillar_nvmet::model::HOSTS.as_ref());
+    let shared_dir = top == Some(pillar_nvmet::PORTS.as_ref())
+        || top == Some(pillar_nvmet::HOSTS.as_ref());
     match op {
         Op::Mkdir { .. } | Op::Rmdir { .. } => shared_dir && parts.clone().count() == 1,
-        Op::Write { .. } => top == Some(pillar_nvmet::model::PORTS.as_ref()),
+        Op::Write { .. } => top == Some(pillar_nvmet::PORTS.as_ref()),
         Op::Symlink { .. } | Op::Unlink { .. } => false,
     }
 }
@@ -505,7 +505,7 @@ impl IdentityRecord {
     /// The namespace identity of the record.
     pub fn namespace(&self) -> Result<NamespaceIdentity, String> {
         Ok(NamespaceIdentity {
-            uuid: pillar_nvmet::identity::parse_uuid(&self.uuid).map_err(|e| e.to_string())?,
+            uuid: pillar_nvmet::parse_uuid(&self.uuid).map_err(|e| e.to_string())?,
             nguid: Nguid::parse(&self.nguid).map_err(|e| e.to_string())?,
         })
     }

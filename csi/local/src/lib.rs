@@ -97,7 +97,7 @@ fn host_identity(dir: &Path) -> Result<(HostNqn, uuid::Uuid), LocalError> {
             id
         }
     };
-    let nqn = format!("{}{id}", pillar_nvmet::names::UUID_NQN_PREFIX);
+    let nqn = format!("{}{id}", pillar_nvmet::UUID_NQN_PREFIX);
     Ok((
         HostNqn::parse(&nqn).map_err(|_| LocalError::HostNqn(nqn))?,
         id,

@@ -325,9 +325,8 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Device { name } => {
             let nqn = pillar_nvmet::VolumeId::parse(&name)?.subsystem_nqn();
-            let devices =
-                pillar_host::sysfs::namespaces_for(&pillar_host::HostPaths::system(), &nqn)
-                    .context("reading NVMe sysfs")?;
+            let devices = pillar_host::namespaces_for(&pillar_host::HostPaths::system(), &nqn)
+                .context("reading NVMe sysfs")?;
             let paths: Vec<_> = devices
                 .iter()
                 .map(|d| d.dev_path.display().to_string())
