@@ -213,7 +213,7 @@ async fn the_server_announces_its_stream_window_and_header_bounds() {
         .collect();
     for expected in [
         (0x3, SMALL.max_concurrent_streams),
-        (0x4, pillar_grpc_unix::limits::STREAM_WINDOW),
+        (0x4, pillar_grpc_unix::STREAM_WINDOW),
         (
             0x6,
             u32::try_from(pillar_grpc_unix::rewrite::MAX_HEADER_LIST_SIZE).unwrap(),
