@@ -67,8 +67,8 @@ sidecar_args() {
     "$W/controller-deployment.json"
 }
 
-# start_replica N POD: one controller "pod": pillar's controller and the four controller-side
-# sidecars on their own socket, as the Deployment runs them (shipped args; the socket, the
+# start_replica N POD: one controller "pod": pillar's controller and the controller-side
+# sidecars (the health monitor where its binary is there) on their own socket, as the Deployment runs them (shipped args; the socket, the
 # HTTP endpoints and the agent TLS replaced for running out of cluster), as pod POD.
 start_replica() {
   local n=$1 pod=$2 sock="$W/replica-$n/csi.sock"
@@ -86,7 +86,9 @@ start_replica() {
     POD_NAMESPACE="$NS" RUST_LOG=info "$BIN/pillar-csi" "${args[@]}" --agent-insecure-plaintext
   wait_for 30 "controller $n socket" test -S "$sock" || return 1
   local c port
-  for c in csi-provisioner csi-attacher csi-resizer csi-snapshotter; do
+  for c in csi-provisioner csi-attacher csi-resizer csi-snapshotter \
+      csi-external-health-monitor-controller; do
+    [ -x "$SIDECARS/$c" ] || continue
     args=()
     while read -r a; do
       case $a in
@@ -102,7 +104,8 @@ start_replica() {
 
 stop_replica() {
   local n=$1 sig=${2:-TERM} c
-  for c in pillar-controller csi-provisioner csi-attacher csi-resizer csi-snapshotter; do
+  for c in pillar-controller csi-provisioner csi-attacher csi-resizer csi-snapshotter \
+      csi-external-health-monitor-controller; do
     stop_proc "$c-$n" "$sig"
   done
 }
@@ -284,4 +287,18 @@ pool_on_xfs() {
 choose_fs_type() {
   local eff; eff=$(awk '/^CapEff/ {print $2}' /proc/self/status)
   if (( (16#$eff >> 24) & 1 )); then echo ext4; else echo xfs; fi
+}
+
+# sidecars_healthy N: every sidecar of replica N answers its liveness probe's URL (the
+# Deployment's livenessProbe paths and ports, shifted by 100 * N).
+sidecars_healthy() {
+  local n=$1 c port url ok=0
+  for c in csi-provisioner csi-attacher csi-resizer csi-snapshotter \
+      csi-external-health-monitor-controller; do
+    [ -e "$W/pids/$c-$n" ] || continue
+    port=$(sidecar_args "$c" | sed -n 's/^--http-endpoint=://p')
+    url="http://127.0.0.1:$((port + 100 * n))/healthz/leader-election"
+    if ! curl -fsS -o /dev/null --max-time 5 "$url"; then echo "$c: $url does not answer"; ok=1; fi
+  done
+  return $ok
 }

@@ -193,6 +193,7 @@ scenario_c() {
   check "c: pillar's record no longer names the lost node" test \
     "$(k get pillarvolumestate "$handle" -o json | jq '[.status.publishedNodes[]? | select(.node == "e2e-node-a")] | length')" -eq 0
   grep -h "$handle" "$W"/logs/pillar-controller-*.log | grep -iE "revok|unpublish" | tail -3 | cut -c1-220
+  grep -h "$handle" "$W/logs/agent.log" | grep -E "RevokeInitiator" | tail -2 | cut -c1-220
   local m2
   if m2=$(pvc_for_pod c-data e2e-node-b c-writer-2); then
     pass "c: the replacement pod's volume attached and mounted on e2e-node-b"
@@ -202,4 +203,32 @@ scenario_c() {
   else fail "c: the replacement pod's volume attached and mounted on e2e-node-b"; fi
   kill -KILL "$writer" 2>/dev/null
   k taint node e2e-node-a node.kubernetes.io/out-of-service- >/dev/null 2>&1
+}
+
+# d) (the part without kubelet) The node plugin restarted between stage and unstage: a
+# publish, an unpublish and the unstage after the restart find the stage record and finish.
+# kubelet's own restart (volume reconstruction) needs a real kubelet: not in this stage.
+scenario_d() {
+  echo "== scenario d: node plugin restart between stage and unstage"
+  local m
+  make_pvc d-data 320Mi ReadWriteOnce
+  if ! m=$(pvc_for_pod d-data e2e-node-b d-first); then fail "d: volume mounted on e2e-node-b"; return; fi
+  check "d: write before the restart" sh -c "$(declare -f write_data); W=$W; write_data $m"
+  stop_proc node-e2e-node-b KILL
+  start "node-e2e-node-b" env RUST_LOG=info "$BIN/pillar-csi" node \
+    --endpoint "unix://$W/e2e-node-b/csi.sock" --node-name e2e-node-b \
+    --state-dir "$W/e2e-node-b/state" --hostnqn-file "$W/e2e-node-b/hostnqn" \
+    --hostid-file "$W/e2e-node-b/hostid" --topology "$ZONE_KEY=$ZONE" --test-local-device-attach
+    answers() { "$BIN/pillarctl" --node "$W/e2e-node-b/csi.sock" info; }
+  check "d: the node plugin answers again after SIGKILL and restart" wait_for 30 "node plugin" answers
+  local m2
+  if make_pod d-second e2e-node-b d-data && m2=$(kubelet_mount e2e-node-b d-second d-data); then
+    pass "d: a second pod's publish after the restart (stage record found)"
+    check "d: the data written before the restart is there" sh -c "$(declare -f same_data); W=$W; same_data $m2"
+  else fail "d: a second pod's publish after the restart"; fi
+  both_gone() { delete_pod e2e-node-b d-first && delete_pod e2e-node-b d-second; }
+  check "d: unpublish, unpublish and unstage after the restart" both_gone
+  check "d: nothing of the volume left mounted on the node" sh -c "! grep -q $(pv_of d-data) /proc/mounts"
+  k delete pvc d-data --wait=false >/dev/null
+  check "d: volume detached and deleted" wait_for 120 "deleted" pool_empty
 }

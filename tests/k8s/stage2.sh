@@ -28,6 +28,7 @@ for c in csi-provisioner csi-attacher csi-resizer csi-snapshotter; do
   [ -x "$SIDECARS/$c" ] || skip "$SIDECARS/$c is missing"
 done
 command -v jq >/dev/null || skip "jq is not installed"
+command -v curl >/dev/null || skip "curl is not installed"
 [ "$(id -u)" = 0 ] || skip "needs root (the node plugins mount)"
 "$KUBECTL" get --raw /readyz --request-timeout=5s >/dev/null 2>&1 || skip "cluster unreachable"
 "$KUBECTL" get crd volumesnapshots.snapshot.storage.k8s.io >/dev/null 2>&1 ||
@@ -99,12 +100,17 @@ for n in e2e-node-a e2e-node-b; do
   check "node plugin $n registered (Node and CSINode from NodeGetInfo)" start_node "$n"
 done
 check "replica 1 started as pod ${PODS[0]}" start_replica 1 "${PODS[0]}"
+if [ ! -x "$SIDECARS/csi-external-health-monitor-controller" ]; then
+  echo "SKIPPED: csi-external-health-monitor-controller not in $SIDECARS: four sidecars, not five"
+fi
+check "every sidecar of replica 1 answers its liveness probe URL" wait_for 30 "healthz" sidecars_healthy 1
 
 # ---------- scenarios ----------
 . "$ROOT/tests/k8s/scenarios.sh"
 scenario_a
 scenario_b
 scenario_c
+scenario_d
 
 echo
 echo "stage 2: $PASSED passed, $FAILED failed"
