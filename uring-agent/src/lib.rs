@@ -20,4 +20,5 @@ pub mod hooks;
 pub mod metrics;
 pub mod server;
 pub mod service;
+pub mod state;
 pub mod target;
