@@ -113,7 +113,9 @@ stop_replica() {
 # ---------- playing kubelet ----------
 
 # start_node NAME: the node plugin (test-only local-device attach: the agent is on the configfs
-# double on this machine), then what kubelet and the registrar do with NodeGetInfo: the Node
+# double on this machine) in a mount namespace of its own, as on a machine of its own: its
+# mounts are invisible to the other node's plugin (which would otherwise see them as mounts it
+# must not unstage under); then what kubelet and the registrar do with NodeGetInfo: the Node
 # object with its topology labels and the CSINode object.
 start_node() {
   local node=$1 d="$W/$1"
@@ -122,12 +124,31 @@ start_node() {
   local id; id=$(cat /proc/sys/kernel/random/uuid)
   echo "nqn.2014-08.org.nvmexpress:uuid:$id" >"$d/hostnqn"
   echo "$id" >"$d/hostid"
-  start "node-$node" env RUST_LOG=info "$BIN/pillar-csi" node --endpoint "unix://$d/csi.sock" \
-    --node-name "$node" --state-dir "$d/state" --hostnqn-file "$d/hostnqn" \
-    --hostid-file "$d/hostid" --topology "$ZONE_KEY=$ZONE" --test-local-device-attach
-  wait_for 30 "node plugin $node" test -S "$d/csi.sock" || return 1
+  start "ns-$node" unshare --mount --propagation private sleep infinity
+  own_ns() { [ "$(readlink "/proc/$(cat "$W/pids/ns-$node")/ns/mnt")" != "$(readlink /proc/self/ns/mnt)" ]; }
+  wait_for 10 "mount namespace of $node" own_ns || return 1
+  start_node_plugin "$node" || return 1
   local info; info=$("$BIN/pillarctl" --node "$d/csi.sock" info) || return 1
   apply_node_objects "$node" "$info"
+}
+
+# start_node_plugin NAME: the node plugin process, inside NAME's mount namespace.
+start_node_plugin() {
+  local node=$1 d="$W/$1"
+  rm -f "$d/csi.sock"
+  start "node-$node" nsenter -t "$(cat "$W/pids/ns-$node")" -m -- env RUST_LOG=info \
+    "$BIN/pillar-csi" node --endpoint "unix://$d/csi.sock" --node-name "$node" \
+    --state-dir "$d/state" --hostnqn-file "$d/hostnqn" --hostid-file "$d/hostid" \
+    --topology "$ZONE_KEY=$ZONE" --test-local-device-attach
+  wait_for 30 "node plugin $node" test -S "$d/csi.sock"
+}
+
+# on_node NODE PATH: PATH as NODE's mount namespace sees it, from this one.
+on_node() { echo "/proc/$(cat "$W/pids/ns-$1")/root$2"; }
+
+# mount_options NODE PATH: the options of the mount at PATH in NODE's namespace.
+mount_options() {
+  awk -v t="$2" '$2 == t {print $4}' "/proc/$(cat "$W/pids/ns-$1")/mounts"
 }
 
 # Node, CSINode: written with jq so label values are quoted right.
@@ -199,7 +220,7 @@ report_in_use() {
 
 # kubelet_mount NODE POD PVC [ro]: waits for the attach, then NodeStage (unless staged) and
 # NodePublish with the VolumeAttachment's metadata and the PV's attributes, as kubelet does;
-# prints the publish target.
+# prints the publish target as NODE sees it (on_node turns it into a path usable here).
 kubelet_mount() {
   local node=$1 pod=$2 pvc=$3 ro=${4:-} pv va pvj
   pv=$(pv_of "$pvc")

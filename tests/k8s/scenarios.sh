@@ -35,13 +35,15 @@ scenario_a() {
     fail "a: PVC a-data provisioned, attached, staged and published on e2e-node-a"; return
   fi
   pass "a: PVC a-data provisioned, attached, staged and published on e2e-node-a"
-  check "a: write 4 MiB, fsync, read back" sh -c "$(declare -f write_data same_data); W=$W; write_data $m && same_data $m"
+  local hm; hm=$(on_node e2e-node-a "$m")
+  write_and_check() { write_data "$1" && same_data "$1"; }
+  check "a: write 4 MiB, fsync, read back" write_and_check "$hm"
   local pv; pv=$(pv_of a-data)
   check "a: the PV carries the node's zone as node affinity" test \
     "$(k get pv "$pv" -o jsonpath='{.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[0].key}')" = "$ZONE_KEY"
 
   # Online expansion: the resizer's ControllerExpandVolume, then kubelet's NodeExpandVolume.
-  local before; before=$(fs_bytes "$m")
+  local before; before=$(fs_bytes "$hm")
   k patch pvc a-data --type=merge -p '{"spec":{"resources":{"requests":{"storage":"400Mi"}}}}' >/dev/null
   pv_grown() { [ "$(k get pv "$pv" -o jsonpath='{.spec.capacity.storage}')" = 400Mi ]; }
   check "a: the resizer grew the PV to 400Mi (ControllerExpandVolume)" wait_for 90 "PV grown" pv_grown
@@ -51,8 +53,8 @@ scenario_a() {
     expand "$handle" --size $((400 << 20)) --path "$m" --staging "$staging"
   k patch pvc a-data --subresource=status --type=merge \
     -p '{"status":{"capacity":{"storage":"400Mi"},"conditions":[]}}' >/dev/null
-  check "a: the file system grew online ($before -> $(fs_bytes "$m") bytes), data intact" \
-    sh -c "[ $(fs_bytes "$m") -gt $((before + (48 << 20))) ] && $(declare -f same_data); W=$W; same_data $m"
+  grown_intact() { [ "$(fs_bytes "$hm")" -gt $((before + (48 << 20))) ] && same_data "$hm"; }
+  check "a: the file system grew online ($before -> $(fs_bytes "$hm") bytes), data intact" grown_intact
 
   # Snapshot, restore and clone, each read back on node b.
   jq -n '{apiVersion: "snapshot.storage.k8s.io/v1", kind: "VolumeSnapshot",
@@ -63,16 +65,17 @@ scenario_a() {
   make_pvc a-clone 400Mi ReadWriteOnce Filesystem PersistentVolumeClaim a-data
   local r c
   if r=$(pvc_for_pod a-restore e2e-node-b a-restore-reader); then
-    check "a: the restored PVC holds the snapshot's data (node b)" sh -c "$(declare -f same_data); W=$W; same_data $r"
+    check "a: the restored PVC holds the snapshot's data (node b)" same_data "$(on_node e2e-node-b "$r")"
   else fail "a: restore PVC from the snapshot bound and mounted on node b"; fi
   if c=$(pvc_for_pod a-clone e2e-node-b a-clone-reader); then
-    check "a: the cloned PVC holds the source's data (node b)" sh -c "$(declare -f same_data); W=$W; same_data $c"
+    check "a: the cloned PVC holds the source's data (node b)" same_data "$(on_node e2e-node-b "$c")"
   else fail "a: clone PVC bound and mounted on node b"; fi
 
   # A block PVC.
   local b
   make_pvc a-block 64Mi ReadWriteOnce Block
   if b=$(pvc_for_pod a-block e2e-node-a a-block-user "" ); then
+    b=$(on_node e2e-node-a "$b")
     check "a: block PVC published as a block device" test -b "$b"
     check "a: block PVC: write 1 MiB at 4 MiB, read it back" bash -c "
       dd if=/dev/urandom of=$W/blk bs=1M count=1 status=none &&
@@ -86,10 +89,14 @@ scenario_a() {
   if x=$(pvc_for_pod a-rox e2e-node-a a-rox-a ro) && make_pod a-rox-b e2e-node-b a-rox ro &&
      y=$(kubelet_mount e2e-node-b a-rox-b a-rox ro); then
     pass "a: ReadOnlyMany PVC attached and published on both nodes"
-    check "a: mounted read-only on node a" sh -c "awk -v t=$x '\$2 == t {print \$4}' /proc/mounts | grep -q '^ro'"
-    check "a: mounted read-only on node b" sh -c "awk -v t=$y '\$2 == t {print \$4}' /proc/mounts | grep -q '^ro'"
-    check "a: a write on the read-only mount is refused" sh -c "! touch $y/x 2>/dev/null"
-    check "a: both read the snapshot's data" sh -c "$(declare -f same_data); W=$W; same_data $x && same_data $y"
+    read_only() { mount_options "$1" "$2" | grep -q '^ro'; }
+    check "a: mounted read-only on node a ($(mount_options e2e-node-a "$x"))" read_only e2e-node-a "$x"
+    check "a: mounted read-only on node b ($(mount_options e2e-node-b "$y"))" read_only e2e-node-b "$y"
+    x=$(on_node e2e-node-a "$x"); y=$(on_node e2e-node-b "$y")
+    write_refused() { ! touch "$1/x" 2>/dev/null; }
+    check "a: a write on the read-only mount is refused" write_refused "$y"
+    both_read() { same_data "$x" && same_data "$y"; }
+    check "a: both read the snapshot's data" both_read
   else fail "a: ReadOnlyMany PVC on two nodes"; fi
 
   # Delete everything: pods (kubelet unmounts first), then claims and the snapshot.
@@ -165,6 +172,7 @@ scenario_c() {
   make_pvc c-data 320Mi ReadWriteOnce
   if ! m=$(pvc_for_pod c-data e2e-node-a c-writer); then fail "c: writer's volume mounted on e2e-node-a"; return; fi
   pass "c: writer's volume mounted on e2e-node-a"
+  m=$(on_node e2e-node-a "$m")
   # The writer: each record appended and fsynced before it counts as acknowledged.
   ( i=0; while :; do i=$((i + 1))
       printf '%08d\n' "$i" | dd of="$m/log" oflag=append conv=notrunc,fsync status=none || exit
@@ -197,6 +205,7 @@ scenario_c() {
   local m2
   if m2=$(pvc_for_pod c-data e2e-node-b c-writer-2); then
     pass "c: the replacement pod's volume attached and mounted on e2e-node-b"
+    m2=$(on_node e2e-node-b "$m2")
     local last; last=$(tail -1 "$m2/log" | sed 's/^0*//')
     check "c: every acknowledged write is on the volume (acknowledged $acked, last on disk $last)" \
       test "${last:-0}" -ge "$acked"
@@ -213,22 +222,20 @@ scenario_d() {
   local m
   make_pvc d-data 320Mi ReadWriteOnce
   if ! m=$(pvc_for_pod d-data e2e-node-b d-first); then fail "d: volume mounted on e2e-node-b"; return; fi
-  check "d: write before the restart" sh -c "$(declare -f write_data); W=$W; write_data $m"
+  check "d: write before the restart" write_data "$(on_node e2e-node-b "$m")"
   stop_proc node-e2e-node-b KILL
-  start "node-e2e-node-b" env RUST_LOG=info "$BIN/pillar-csi" node \
-    --endpoint "unix://$W/e2e-node-b/csi.sock" --node-name e2e-node-b \
-    --state-dir "$W/e2e-node-b/state" --hostnqn-file "$W/e2e-node-b/hostnqn" \
-    --hostid-file "$W/e2e-node-b/hostid" --topology "$ZONE_KEY=$ZONE" --test-local-device-attach
+  start_node_plugin e2e-node-b
     answers() { "$BIN/pillarctl" --node "$W/e2e-node-b/csi.sock" info; }
   check "d: the node plugin answers again after SIGKILL and restart" wait_for 30 "node plugin" answers
   local m2
   if make_pod d-second e2e-node-b d-data && m2=$(kubelet_mount e2e-node-b d-second d-data); then
     pass "d: a second pod's publish after the restart (stage record found)"
-    check "d: the data written before the restart is there" sh -c "$(declare -f same_data); W=$W; same_data $m2"
+    check "d: the data written before the restart is there" same_data "$(on_node e2e-node-b "$m2")"
   else fail "d: a second pod's publish after the restart"; fi
   both_gone() { delete_pod e2e-node-b d-first && delete_pod e2e-node-b d-second; }
   check "d: unpublish, unpublish and unstage after the restart" both_gone
-  check "d: nothing of the volume left mounted on the node" sh -c "! grep -q $(pv_of d-data) /proc/mounts"
+  none_mounted() { ! grep -q "$(pv_of d-data)" "/proc/$(cat "$W/pids/ns-e2e-node-b")/mounts"; }
+  check "d: nothing of the volume left mounted on the node" none_mounted
   k delete pvc d-data --wait=false >/dev/null
   check "d: volume detached and deleted" wait_for 120 "deleted" pool_empty
 }
