@@ -6,7 +6,9 @@ write_data() {
     sha256sum <"$1/data" >"$W/data.sum"
 }
 same_data() { [ "$(sha256sum <"$1/data")" = "$(cat "$W/data.sum")" ]; }
-fs_bytes() { df -B1 --output=size "$1" | tail -1 | tr -d ' '; }
+# The size of the file system holding PATH (statfs: df would look PATH up in this namespace's
+# mount table, where a node's mount is not).
+fs_bytes() { stat -f -c '%b %S' "$1" | awk '{print $1 * $2}'; }
 snapshot_ready() { [ "$(k get volumesnapshot "$1" -o jsonpath='{.status.readyToUse}')" = true ]; }
 gone() { ! k get "$@" >/dev/null 2>&1; }
 no_volume_states() { [ "$(k get pillarvolumestates -o name | wc -l)" -eq 0 ]; }
@@ -210,7 +212,15 @@ scenario_c() {
     check "c: every acknowledged write is on the volume (acknowledged $acked, last on disk $last)" \
       test "${last:-0}" -ge "$acked"
   else fail "c: the replacement pod's volume attached and mounted on e2e-node-b"; fi
+  # The lost node is rebooted: its processes and its mounts are gone. Then the volume goes.
   kill -KILL "$writer" 2>/dev/null
+  stop_proc node-e2e-node-a KILL
+  stop_proc ns-e2e-node-a KILL
+  delete_pod e2e-node-b c-writer-2
+  k delete pvc c-data --wait=false >/dev/null
+  volume_gone() { gone pv "$pv" && [ ! -e "$W/pool/$handle.img" ]; }
+  check "c: after the lost node's reboot the volume is detached and deleted" \
+    wait_for 120 "c-data deleted" volume_gone
   k taint node e2e-node-a node.kubernetes.io/out-of-service- >/dev/null 2>&1
 }
 
@@ -236,6 +246,7 @@ scenario_d() {
   check "d: unpublish, unpublish and unstage after the restart" both_gone
   none_mounted() { ! grep -q "$(pv_of d-data)" "/proc/$(cat "$W/pids/ns-e2e-node-b")/mounts"; }
   check "d: nothing of the volume left mounted on the node" none_mounted
+  local pv; pv=$(pv_of d-data)
   k delete pvc d-data --wait=false >/dev/null
-  check "d: volume detached and deleted" wait_for 120 "deleted" pool_empty
+  check "d: volume detached and deleted, nothing left on the agent" wait_for 120 "deleted" pool_empty
 }
