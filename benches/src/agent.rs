@@ -218,7 +218,10 @@ impl Node {
             .map(|n| export_request(&volume(n), hosts))
             .collect();
         let response = client
-            .resync_exports(api::ResyncExportsRequest { exports })
+            .resync_exports(api::ResyncExportsRequest {
+                exports,
+                ..Default::default()
+            })
             .await?
             .into_inner();
         let failed: BTreeMap<String, String> = response

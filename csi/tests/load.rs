@@ -465,7 +465,10 @@ async fn load_agent(dir: &Path, scale: Scale) {
     let (_, rss_idle) = agent.memory();
     let mut setup = AgentClient::new(channel(&agent.socket).await.unwrap());
     setup
-        .resync_exports(api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .unwrap();
     for v in 0..AGENT_VOLUMES {

@@ -42,7 +42,7 @@ macro_rules! seams {
 }
 
 seams!(
-    backend, blocking, engine, fence, grpc, hooks, metrics, server, service, target
+    backend, blocking, engine, fence, grpc, hooks, metrics, server, service, state, target
 );
 
 pub use backend::{PoolConfig, PoolKind};

@@ -79,7 +79,10 @@ async fn a_call_beyond_the_in_flight_bound_is_refused_before_anything_is_done() 
     let client = connect(&dirs.socket()).await;
     client
         .clone()
-        .resync_exports(api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .unwrap();
     client

@@ -192,9 +192,12 @@ async fn only_the_authorised_controller_may_call() {
         good.create_volume(no_token).await.unwrap_err().code(),
         Code::FailedPrecondition
     );
-    good.resync_exports(api::ResyncExportsRequest { exports: vec![] })
-        .await
-        .unwrap();
+    good.resync_exports(api::ResyncExportsRequest {
+        exports: vec![],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     good.revoke_initiator(api::RevokeInitiatorRequest {
         token: token("u1", 1),
         volume_id: "t1".into(),

@@ -4,8 +4,9 @@
 //! - The file is the volume: its length is the volume size, and it is created, grown and
 //!   removed with `fsync` of the file and the directory, so a volume reported as created
 //!   survives a power loss.
-//! - A loop device is bound with `LOOP_CONFIGURE` (direct I/O when the kernel accepts it,
-//!   never auto-clear), found again through sysfs and confirmed by device and inode number.
+//! - A loop device is bound with `LOOP_CONFIGURE` (512-byte logical blocks, always, confirmed
+//!   in sysfs: the LBA size the volume is exported with; direct I/O when the kernel accepts it
+//!   at that size; never auto-clear), found again through sysfs and confirmed by device and inode number.
 //!   After a reboot no loop device exists; `lookup` and `list` bind one again.
 //! - A zero-length file is an interrupted create (the length is set right after the file is
 //!   made), so `create` finishes it instead of reporting a size mismatch.
@@ -542,6 +543,7 @@ impl Inner {
             match loopdev::backing_identity(binding.index) {
                 Ok((dev, ino)) if dev == meta.dev() && ino == meta.ino() => {
                     let index = binding.index;
+                    warn_on_block_size(index, path);
                     if loopdev::size_bytes(index).map_err(loop_err)? != size {
                         loopdev::set_capacity(index).map_err(loop_err)?;
                         tracing::info!(device = index, size, "loop device resized to its file");
@@ -578,6 +580,23 @@ impl Inner {
             "bound loop device"
         );
         Ok(attached.index)
+    }
+}
+
+/// Warns when a device found bound (by an agent before the block size was pinned, which let
+/// the kernel choose) has a logical block size other than [`loopdev::LOGICAL_BLOCK_SIZE`]. It
+/// is kept: a live export may be serving it, and its next bind gets the pinned size.
+fn warn_on_block_size(index: u32, path: &Path) {
+    match loopdev::logical_block_size(index) {
+        Ok(loopdev::LOGICAL_BLOCK_SIZE) => {}
+        Ok(size) => tracing::warn!(
+            device = index,
+            size,
+            path = %path.display(),
+            "loop device found bound with a logical block size other than 512 bytes; kept \
+             until it is unbound, bound again with 512"
+        ),
+        Err(e) => tracing::warn!(device = index, error = %e, "reading the logical block size"),
     }
 }
 

@@ -176,7 +176,10 @@ impl Agent {
     /// Sends an empty resync: the agent starts serving.
     pub async fn serve_now(&mut self) {
         self.client
-            .resync_exports(api::ResyncExportsRequest { exports: vec![] })
+            .resync_exports(api::ResyncExportsRequest {
+                exports: vec![],
+                ..Default::default()
+            })
             .await
             .unwrap();
     }
