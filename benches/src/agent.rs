@@ -8,12 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use pillar_agent::backend::{PoolConfig, PoolKind};
+use pillar_agent::AgentSettings;
+use pillar_agent::TargetConfig;
 use pillar_agent::grpc::AgentService;
 use pillar_agent::metrics::Metrics;
-use pillar_agent::server::{EngineKind, Listen, ServerConfig, build_agent};
-use pillar_agent::service::{Agent, AgentSettings};
-use pillar_agent::target::TargetConfig;
+use pillar_agent::server::build_agent;
+use pillar_agent::service::Agent;
+use pillar_agent::{EngineKind, Listen, ServerConfig};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use pillar_agent_api::v1::agent_server::AgentServer;
@@ -100,7 +102,7 @@ impl Node {
                 nvme_address: "127.0.0.1".parse()?,
                 kernel_random_identity: false,
                 unsafe_revoke_acl_only: false,
-                hooks: pillar_agent::hooks::Hooks::default(),
+                hooks: pillar_agent::Hooks::default(),
             },
             tls: None,
             insecure_plaintext: true,
@@ -216,7 +218,10 @@ impl Node {
             .map(|n| export_request(&volume(n), hosts))
             .collect();
         let response = client
-            .resync_exports(api::ResyncExportsRequest { exports })
+            .resync_exports(api::ResyncExportsRequest {
+                exports,
+                ..Default::default()
+            })
             .await?
             .into_inner();
         let failed: BTreeMap<String, String> = response

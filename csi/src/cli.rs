@@ -85,6 +85,12 @@ pub enum Mode {
         /// `topology.pillar-csi.io/zone=a`, matching the PillarAgents' `spec.topology`).
         #[arg(long = "topology", value_parser = parse_segment)]
         topology: Vec<(String, String)>,
+        /// TEST ONLY: stage the agent's local block device named in the publish context
+        /// instead of connecting over NVMe/TCP, with no identity check and no reservation. Only
+        /// for an agent on the configfs test double on this same machine (the end-to-end suite
+        /// where no NVMe/TCP exists); every stage says so in the log. Never in a deployment.
+        #[arg(long, hide = true)]
+        test_local_device_attach: bool,
         /// Bounds of the CSI gRPC server.
         #[command(flatten)]
         grpc: pillar_grpc_unix::Limits,

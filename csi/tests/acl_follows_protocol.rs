@@ -7,7 +7,7 @@
 
 mod support;
 
-use pillar_nvmet::double::ConfigfsDouble;
+use pillar_nvmet::ConfigfsDouble;
 use pillar_state::condition::{ACL_DISABLED, ConditionStatus, find_condition};
 use pillar_state::store::Revision;
 use support::{Env, Mode, StoreKind, create, host, nqn, publish, unpublish};

@@ -24,11 +24,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
-use pillar_agent::backend::{PoolConfig, PoolKind};
+use pillar_agent::AgentSettings;
+use pillar_agent::TargetConfig;
 use pillar_agent::fence::MarkStore;
-use pillar_agent::server::{EngineKind, Listen, ServerConfig, serve_with_limits};
-use pillar_agent::service::AgentSettings;
-use pillar_agent::target::TargetConfig;
+use pillar_agent::{EngineKind, Listen, ServerConfig, serve_with_limits};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use pillar_csi::agents::Agents;
@@ -465,7 +465,10 @@ async fn load_agent(dir: &Path, scale: Scale) {
     let (_, rss_idle) = agent.memory();
     let mut setup = AgentClient::new(channel(&agent.socket).await.unwrap());
     setup
-        .resync_exports(api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .unwrap();
     for v in 0..AGENT_VOLUMES {

@@ -8,7 +8,7 @@
 //! nobody else. [`Incoming`] reads each unix-socket connection through a [`rewrite::Rewriter`]
 //! (under TLS, where TLS is used), which replaces such an authority with `localhost` (its
 //! invariants are in its module). The server-to-client direction is untouched but for a GOAWAY
-//! when the rewriter refuses a client's bytes ([`fixed`]).
+//! when the rewriter refuses a client's bytes ([`AuthorityFixed`]).
 //!
 //! On a unix socket the authority means nothing: the peer reached this one socket, and neither
 //! the CSI services nor the agent route or authorise by it.
@@ -17,9 +17,9 @@
 //! services as [`ConnectInfo`] on unix sockets as on TCP, and caps the connections; [`Limits`]
 //! are all the bounds of a server, and the tonic server that applies them.
 
-pub mod fixed;
-pub mod incoming;
-pub mod limits;
+mod fixed;
+mod incoming;
+mod limits;
 pub mod rewrite;
 pub mod tls;
 
@@ -30,7 +30,7 @@ use tokio::net::UnixListener;
 
 pub use fixed::AuthorityFixed;
 pub use incoming::{AcceptOptions, AcceptStats, ConnectInfo, Connection, Incoming, Listener};
-pub use limits::Limits;
+pub use limits::{Limits, STREAM_WINDOW};
 pub use tokio_rustls::rustls;
 
 /// The plaintext connections accepted on `listener` with the default bounds, each read through

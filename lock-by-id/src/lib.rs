@@ -1,7 +1,8 @@
 //! A per-ID async lock: one [`tokio::sync::Mutex`] per key, created on first use and removed when
 //! its last user leaves.
 //!
-//! The controller and the agent lock each volume for the length of an operation. A map of one
+//! The controller and the agent lock each volume for the length of an operation, and the node
+//! plugin refuses a call on a volume in progress ([`LockById::try_lock`]). A map of one
 //! mutex per volume ever seen grows without bound on a node that creates and deletes volumes for
 //! months; this map holds an entry only while someone holds or waits for it.
 //!

@@ -1,35 +1,41 @@
 //! A typed, kernel-faithful model of the Linux NVMe-oF target (nvmet) as configured through
 //! configfs.
 //!
-//! - [`names`]: validated NQNs, port, namespace and volume IDs, and the volume -> NQN map.
-//! - [`identity`]: namespace UUID/NGUID and subsystem serial derived from the NQN.
-//! - [`model`]: the desired state of an export and the observed state of a configfs tree.
-//! - [`plan`]: the planner, which turns their difference into ordered primitive operations that
+//! The face is the crate root: every name the agent, the CSI crates and the tests use is
+//! re-exported here, and the rooms behind it are private:
+//! - `names`: validated NQNs, port, namespace and volume IDs, and the volume -> NQN map.
+//! - `identity`: namespace UUID/NGUID and subsystem serial derived from the NQN.
+//! - `model`: the desired state of an export and the observed state of a configfs tree.
+//! - `plan`: the planner, which turns their difference into ordered primitive operations that
 //!   obey the kernel's rules.
-//! - [`exec`]: a synchronous executor and the read-back check.
-//! - [`double`]: a configfs test double that refuses what the kernel refuses.
+//! - `exec`: a synchronous executor and the read-back check.
+//! - `target_model`: an in-memory model of the whole tree that plans from a view.
+//! - `double`: a configfs test double that refuses what the kernel refuses.
 //!
 //! Nothing here talks to io_uring or gRPC: the agent builds on these types.
 
-pub mod double;
-pub mod exec;
-pub mod identity;
-pub mod model;
-pub mod names;
-pub mod plan;
-pub mod target_model;
+mod double;
+mod exec;
+mod identity;
+mod model;
+mod names;
+mod plan;
+mod target_model;
 
 pub use double::ConfigfsDouble;
 pub use exec::{
     ApplyError, Executor, KernelExecutor, Mismatch, VerifyError, apply, verify, verify_acl,
     verify_links,
 };
-pub use identity::{IdentityError, NamespaceIdentity, Nguid, Serial, derive_serial};
+pub use identity::{IdentityError, NamespaceIdentity, Nguid, Serial, derive_serial, parse_uuid};
 pub use model::{
-    ExportSpec, HostAccess, NamespaceSpec, NamespaceState, ObserveError, PortSpec, PortState,
-    SubsystemState, TargetState, Transport, observe, observe_scope,
+    ExportSpec, HOSTS, HostAccess, NamespaceSpec, NamespaceState, ObserveError, PORTS, PortSpec,
+    PortState, SubsystemState, TargetState, Transport, observe, observe_scope,
 };
-pub use names::{HostNqn, NameError, NamespaceId, Nqn, PortId, SubsystemNqn, VolumeId};
+pub use names::{
+    DISCOVERY_NQN, HostNqn, NQN_MAX_LEN, NameError, NamespaceId, Nqn, PILLAR_NQN_PREFIX, PortId,
+    SubsystemNqn, UUID_NQN_PREFIX, VOLUME_ID_MAX_LEN, VolumeId,
+};
 pub use plan::{
     Adoption, ExportPlan, Op, PlanError, Released, plan_acl, plan_cut_connections, plan_export,
     plan_links, plan_release, plan_revalidate, plan_unexport,

@@ -7,7 +7,7 @@
 //! anything a gRPC or CSI caller could send. Bounded for CI: 512 cases per property.
 #![allow(clippy::unwrap_used)]
 
-use pillar_nvmet::names::{
+use pillar_nvmet::{
     DISCOVERY_NQN, NQN_MAX_LEN, PILLAR_NQN_PREFIX, UUID_NQN_PREFIX, VOLUME_ID_MAX_LEN,
 };
 use pillar_nvmet::{HostNqn, NamespaceId, Nqn, PortId, SubsystemNqn, VolumeId};

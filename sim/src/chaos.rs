@@ -20,6 +20,9 @@ pub enum Fault {
     Cancelled,
     /// A replica stalled between its store read and its write; the other may overtake.
     ReplicaPaused,
+    /// A replica stalled after a write landed (a token taken), before it acts on it: its agent
+    /// call goes out late, possibly to an agent that crashed and restarted meanwhile.
+    ReplicaPausedAfterWrite,
     /// A store write answered with a conflict it did not really have.
     StoreConflict,
     /// An agent process crashed (its request tasks die where they are) and restarted.
@@ -55,6 +58,7 @@ impl fmt::Display for Fault {
 pub struct Knobs {
     pub cancel: u64,
     pub pause: u64,
+    pub pause_after_write: u64,
     pub conflict: u64,
     pub crash: u64,
     pub state_loss: u64,
@@ -72,6 +76,7 @@ impl Default for Knobs {
         Self {
             cancel: 150,
             pause: 150,
+            pause_after_write: 0,
             conflict: 60,
             crash: 30,
             state_loss: 0,

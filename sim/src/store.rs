@@ -357,6 +357,18 @@ impl ReplicaStore {
         }
         Ok(())
     }
+
+    /// After a write landed: maybe stall before the replica acts on it (a token taken, its agent
+    /// call not yet sent), long enough for an agent to crash and restart in between.
+    async fn after_write(&self, what: &str, name: &str) {
+        if self.chaos.strikes(
+            Fault::ReplicaPausedAfterWrite,
+            self.chaos.knobs.pause_after_write,
+            &format!("replica {} stalls after {what} {name}", self.replica),
+        ) {
+            tokio::time::sleep(self.chaos.pause(2_000)).await;
+        }
+    }
 }
 
 #[async_trait]
@@ -381,9 +393,12 @@ impl StateStore for ReplicaStore {
         status: PillarVolumeStateStatus,
     ) -> Result<PillarVolumeState, StoreError> {
         self.before_write("status write", name, expected).await?;
-        self.inner
+        let written = self
+            .inner
             .replace_volume_status(name, expected, status)
-            .await
+            .await?;
+        self.after_write("status write", name).await;
+        Ok(written)
     }
     async fn replace_volume_spec(
         &self,
@@ -419,9 +434,12 @@ impl StateStore for ReplicaStore {
     ) -> Result<PillarSnapshotState, StoreError> {
         self.before_write("snapshot status write", name, expected)
             .await?;
-        self.inner
+        let written = self
+            .inner
             .replace_snapshot_status(name, expected, status)
-            .await
+            .await?;
+        self.after_write("snapshot status write", name).await;
+        Ok(written)
     }
     async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
         self.inner.delete_snapshot(name, expected).await

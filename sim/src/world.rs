@@ -55,7 +55,7 @@ pub enum SimError {
     #[error("the store refused the world's setup")]
     Store(#[from] pillar_state::StoreError),
     #[error("an agent failed to start")]
-    Agent(#[from] pillar_agent::server::ServerError),
+    Agent(#[from] pillar_agent::ServerError),
 }
 
 /// What one seed did.
@@ -364,12 +364,13 @@ async fn world(
             ),
             _ => {
                 let which = usize::try_from(chaos.below(config.agents as u64)).unwrap_or(0);
-                let lose = chaos.strikes(
-                    Fault::AgentStateLost,
-                    chaos.knobs.state_loss,
-                    "the state directory is lost",
-                );
                 if chaos.strikes(Fault::AgentCrash, chaos.knobs.crash * 10, "agent crash") {
+                    // Counted only with a crash: a loss without one is no loss.
+                    let lose = chaos.strikes(
+                        Fault::AgentStateLost,
+                        chaos.knobs.state_loss,
+                        "the state directory is lost",
+                    );
                     let agent = &mut agents[which];
                     chaos.trace(format!(
                         "step {step}: crash {} (incarnation {}, state lost: {lose})",

@@ -4,7 +4,8 @@
 //! - `PILLAR_SIM_KEEP_GOING=1`: run every seed and count the violating ones instead of
 //!   stopping at the first.
 //! - `PILLAR_SIM_STATE_LOSS=<per mille>`: how many agent crashes also lose the state directory
-//!   (default 0: see `sim/README.md`).
+//!   (default 1000: see `sim/README.md`).
+//! - `PILLAR_SIM_PAUSE_AFTER_WRITE=<per mille>`: replicas stalled after a token write (default 0).
 //! - `PILLAR_SIM_TRACE=1`: print the trace of every seed, not only of a violating one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
@@ -26,7 +27,12 @@ fn no_seed_breaks_an_invariant() {
     let keep_going = env("PILLAR_SIM_KEEP_GOING", 0) == 1;
     let print_traces = env("PILLAR_SIM_TRACE", 0) == 1;
     let mut config = Config::default();
-    config.knobs.state_loss = env("PILLAR_SIM_STATE_LOSS", config.knobs.state_loss);
+    // C6: every crash loses the state directory unless told otherwise.
+    config.knobs.state_loss = env("PILLAR_SIM_STATE_LOSS", 1000);
+    config.knobs.pause_after_write = env(
+        "PILLAR_SIM_PAUSE_AFTER_WRITE",
+        config.knobs.pause_after_write,
+    );
     let mut totals = FaultCounts::default();
     let mut violating = Vec::new();
     let mut ok_ops = 0;

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# End-to-end suite, stage 1: pillar's CRDs and RBAC against a real Kubernetes API server.
+# End-to-end suite against a real Kubernetes. Stage 1 (this file): pillar's CRDs and RBAC
+# against the real API server. Stage 2 (stage2.sh, run from here): the controller and the CSI
+# sidecars against it, with the scenarios of PVC lifecycle, leader loss and node loss.
 #
 # Applies the cluster-scoped parts of deploy/base (Namespace, CRDs, ServiceAccounts, RBAC,
 # CSIDriver; not the Deployment, DaemonSets or PDB, so no image is pulled), then checks, as the
 # controller's ServiceAccount, every verb the controller needs (and some it must not have), and,
 # as the admin, the CRD schema's validation and pruning.
 #
-# Usage: KUBECONFIG=/path/to/admin.kubeconfig tests/k8s/run.sh
+# Usage: KUBECONFIG=/path/to/admin.kubeconfig [PILLAR_E2E_SIDECARS=DIR] tests/k8s/run.sh
 # Exit: 0 all passed; 1 some check failed; 77 skipped (no KUBECONFIG, no kubectl, or the cluster
 # is unreachable). 77 means "not run", never "passed".
 set -uo pipefail
@@ -209,5 +211,15 @@ else
   fail "create with spec.notAField under --validate=strict: $out"
 fi
 
-echo "$PASSED passed, $FAILED failed"
-[ "$FAILED" -eq 0 ]
+echo "stage 1: $PASSED passed, $FAILED failed"
+[ "$FAILED" -eq 0 ] || exit 1
+
+# Stage 2: the controller, the sidecars and the scenarios (tests/k8s/stage2.sh). Its own
+# skip (no sidecar binaries) is reported as such: stage 1 alone passed, stage 2 was not tested.
+rc=0
+"$ROOT/tests/k8s/stage2.sh" || rc=$?
+case $rc in
+  0) echo "stage 1 and stage 2 passed" ;;
+  77) echo "stage 2 SKIPPED (not tested); stage 1 passed" ;;
+  *) exit "$rc" ;;
+esac

@@ -39,10 +39,12 @@ thread_local! {
 
 /// Releases the thread when dropped.
 #[derive(Debug)]
+#[cfg(any(test, feature = "test-seams"))]
 pub struct Claim {
     _not_send: std::marker::PhantomData<Rc<()>>,
 }
 
+#[cfg(any(test, feature = "test-seams"))]
 impl Drop for Claim {
     fn drop(&mut self) {
         CLAIMED.with(|c| c.borrow_mut().take());
@@ -52,6 +54,7 @@ impl Drop for Claim {
 /// Claims the current thread for a simulation: [`spawn`] on it runs work on a task of the
 /// current (current-thread) runtime, held back as `deferral()` decides. Only for simulations
 /// and tests.
+#[cfg(any(test, feature = "test-seams"))]
 pub fn claim_thread(deferral: impl Fn() -> Deferral + 'static) -> Claim {
     CLAIMED.with(|c| *c.borrow_mut() = Some(Rc::new(deferral)));
     Claim {
@@ -60,6 +63,7 @@ pub fn claim_thread(deferral: impl Fn() -> Deferral + 'static) -> Claim {
 }
 
 /// Blocking work spawned on a claimed thread that has not run yet.
+#[cfg(any(test, feature = "test-seams"))]
 pub fn pending() -> usize {
     PENDING.with(std::cell::Cell::get)
 }

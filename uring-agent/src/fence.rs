@@ -228,14 +228,16 @@ pub fn decode(volume: &VolumeId, bytes: &[u8]) -> Result<Mark, String> {
 /// The marks directory, `<state>/generations/`.
 #[derive(Debug)]
 pub struct MarkStore {
-    dir: Arc<DurableDir>,
+    /// Replaced only by [`reopen`](Self::reopen), after the state directory was lost under the
+    /// running agent: the old descriptor names a directory that no longer exists.
+    dir: std::sync::RwLock<Arc<DurableDir>>,
 }
 
 impl MarkStore {
     /// Opens (creating) the marks directory.
     pub fn open(state_dir: &std::path::Path) -> Result<Self, EngineError> {
         Ok(Self {
-            dir: DurableDir::open(state_dir.join("generations"))?,
+            dir: std::sync::RwLock::new(DurableDir::open(state_dir.join("generations"))?),
         })
     }
 
@@ -243,8 +245,29 @@ impl MarkStore {
     /// apart from volumes', so a snapshot and a volume of the same ID never share a mark.
     pub fn open_snapshots(state_dir: &std::path::Path) -> Result<Self, EngineError> {
         Ok(Self {
-            dir: DurableDir::open(state_dir.join("snapshot-generations"))?,
+            dir: std::sync::RwLock::new(DurableDir::open(state_dir.join("snapshot-generations"))?),
         })
+    }
+
+    fn dir(&self) -> Arc<DurableDir> {
+        Arc::clone(
+            &self
+                .dir
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// Opens the directory again by its path (creating it): after the state directory was
+    /// deleted under the agent, marks go to the new one.
+    pub fn reopen(&self) -> Result<(), EngineError> {
+        let path = self.dir().path().to_path_buf();
+        let fresh = DurableDir::open(path)?;
+        *self
+            .dir
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+        Ok(())
     }
 
     fn file_name(volume: &VolumeId) -> String {
@@ -253,7 +276,7 @@ impl MarkStore {
 
     /// The mark of `volume`; `None` only when no mark file exists.
     pub fn read(&self, volume: &VolumeId) -> Result<Option<Mark>, MarkError> {
-        let path = self.dir.path().join(Self::file_name(volume));
+        let path = self.dir().path().join(Self::file_name(volume));
         let shown = path.display().to_string();
         match std::fs::read(&path) {
             Ok(bytes) => decode(volume, &bytes)
@@ -282,7 +305,7 @@ impl MarkStore {
             reason: e.to_string(),
         })?;
         engine
-            .replace_file(&self.dir, &Self::file_name(volume), bytes)
+            .replace_file(&self.dir(), &Self::file_name(volume), bytes)
             .await
             .map_err(|source| MarkError::Write {
                 volume: volume.to_string(),

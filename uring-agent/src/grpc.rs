@@ -47,6 +47,9 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
         AgentError::Mark(MarkError::Corrupt { .. }) => R::MarkCorrupt,
         AgentError::Mark(MarkError::Unreadable { .. } | MarkError::Write { .. }) => R::MarkIo,
         AgentError::WaitingForResync => R::WaitingForResync,
+        AgentError::StateLost => R::StateLost,
+        AgentError::Unclaimed { .. } => R::UnclaimedVolume,
+        AgentError::StateDir(_) | AgentError::StateIdentity(_) => R::MarkIo,
         AgentError::NotExported { .. } => R::NotExported,
         AgentError::StillExported { .. } => R::StillExported,
         AgentError::Plan { .. } | AgentError::ForeignAclEntry { .. } => R::NoSafePlan,
@@ -345,12 +348,18 @@ impl api::agent_server::Agent for AgentService {
                     "waiting for the controller's export resync; no export is created until then",
                 ),
                 Readiness::Serving => (api::health_response::State::Serving, "serving"),
+                Readiness::StateLost => (
+                    api::health_response::State::Lost,
+                    "the state directory was lost; every change is refused until the controller re-seeds the marks",
+                ),
             };
             Ok(api::HealthResponse {
                 state: state.into(),
                 message: message.to_owned(),
                 boot_id: agent.boot_id().to_owned(),
                 unrestored_volume_ids: agent.unrestored().iter().map(ToString::to_string).collect(),
+                state_epoch: agent.state_epoch().unwrap_or_default(),
+                unclaimed_volume_ids: agent.unclaimed().iter().map(ToString::to_string).collect(),
             })
         })
         .await
@@ -575,6 +584,7 @@ impl api::agent_server::Agent for AgentService {
         let r = r.into_inner();
         let agent = Arc::clone(&self.agent);
         self.call("ResyncExports", "", async move {
+            let epoch = r.state_epoch;
             let mut requests = Vec::with_capacity(r.exports.len());
             let mut results = Vec::new();
             for e in r.exports {
@@ -584,12 +594,10 @@ impl api::agent_server::Agent for AgentService {
                     Err(err) => results.push(failed_result(volume, &err)),
                 }
             }
-            let (outcomes, unlisted) =
-                to_the_end(
-                    self.agent.hooks(),
-                    async move { agent.resync(requests).await },
-                )
-                .await?;
+            let (outcomes, unlisted) = to_the_end(self.agent.hooks(), async move {
+                agent.resync(requests, &epoch).await
+            })
+            .await?;
             results.extend(outcomes.into_iter().map(|o| match o.result {
                 Ok(_) => api::resync_exports_response::Result {
                     volume_id: o.volume.to_string(),
@@ -679,7 +687,7 @@ mod tests {
     //! cases per property.
     #![allow(clippy::unwrap_used)]
 
-    use pillar_nvmet::names::DISCOVERY_NQN;
+    use pillar_nvmet::DISCOVERY_NQN;
     use proptest::prelude::*;
 
     use super::*;

@@ -34,6 +34,7 @@ use crate::fence::MarkStore;
 use crate::grpc::AgentService;
 use crate::metrics::Metrics;
 use crate::service::{Agent, AgentSettings};
+use crate::state::{Found, StateIdentity};
 use crate::target::{Target, TargetConfig, TargetError};
 
 /// Where the gRPC server listens.
@@ -106,6 +107,10 @@ pub enum ServerError {
     Engine(#[from] EngineError),
     #[error("opening the target")]
     Target(#[from] TargetError),
+    #[error("reading the state directory's identity")]
+    StateIdentity(#[from] crate::state::StateError),
+    #[error("looking for volumes held without a fencing mark")]
+    StateScan(#[source] Box<crate::service::AgentError>),
     #[error("pool {pool:?}")]
     Pool { pool: String, source: BackendError },
     #[error("two pools are named {0:?}")]
@@ -132,6 +137,7 @@ pub async fn build_agent(
         )?),
         EngineKind::Sync => Engine::Sync(SyncEngine::new()),
     });
+    let (state_id, found) = StateIdentity::open(&config.state_dir)?;
     let marks = MarkStore::open(&config.state_dir)?;
     let snapshot_marks = MarkStore::open_snapshots(&config.state_dir)?;
     let target = Target::open(
@@ -154,15 +160,21 @@ pub async fn build_agent(
         }
     }
     tracing::info!(engine = engine.name(), target = target.kind(), root = %target.root().display(), "agent ready; waiting for the controller's export resync");
-    Ok(Arc::new(Agent::new(
+    let agent = Arc::new(Agent::new(
         engine,
+        state_id,
         marks,
         snapshot_marks,
         target,
         pools,
         config.settings.clone(),
         Arc::clone(metrics),
-    )))
+    ));
+    agent
+        .detect_loss_at_start(found == Found::Corrupt)
+        .await
+        .map_err(|e| ServerError::StateScan(Box::new(e)))?;
+    Ok(agent)
 }
 
 /// The names a client certificate carries: DNS and URI subject alternative names, common names.

@@ -12,6 +12,9 @@
 //!   the gRPC edge (`grpc`) before anything here runs, so a malformed request changes nothing.
 //! - After a start the agent is `WaitingForResync`: it creates no export and grants nothing until
 //!   the controller has sent the complete export state of this node (C3).
+//! - An agent whose state was lost is `StateLost` and changes nothing until the controller has
+//!   re-seeded its marks (C6, `loss`): a missing mark is believed only when it cannot be a lost
+//!   one.
 //! - Exports use the derived identity (I1), or the recorded adopted one (I4); the identity is set
 //!   before enable and read back after every change (I2), and never changed on a live namespace
 //!   (I3, enforced by the planner).
@@ -48,6 +51,7 @@ use crate::target::{IdentityRecord, Target, TargetError, TargetGuard, touches_sh
 /// chains and mark writes into shared submissions and group commits.
 const RESYNC_IN_FLIGHT: usize = 64;
 
+mod loss;
 mod snapshot;
 
 /// Why an agent operation failed. Mapped to gRPC codes once, in `grpc`.
@@ -65,6 +69,21 @@ pub enum AgentError {
         "the agent restarted and waits for the controller's export resync; it creates no export until then"
     )]
     WaitingForResync,
+    #[error(
+        "the agent's state directory was lost (it holds volumes without fencing marks, or its \
+         state identity vanished); it changes nothing until the controller re-seeds the marks \
+         with a resync carrying the state epoch its Health reports"
+    )]
+    StateLost,
+    #[error(
+        "{volume} is held on this node without a fencing mark and the controller's resync after \
+         the state loss did not claim it; refusing every change to it (an operator decides)"
+    )]
+    Unclaimed { volume: String },
+    #[error("the state directory cannot be opened again after it was lost")]
+    StateDir(#[source] crate::engine::EngineError),
+    #[error(transparent)]
+    StateIdentity(#[from] crate::state::StateError),
     #[error(transparent)]
     Backend(#[from] BackendError),
     #[error("volume {volume} does not exist in pool {pool:?}")]
@@ -114,6 +133,9 @@ pub enum AgentError {
 pub enum Readiness {
     WaitingForResync,
     Serving,
+    /// The state directory was lost (C6): every mutating call is refused until a resync
+    /// carrying the current state epoch re-seeds the marks.
+    StateLost,
 }
 
 /// How hosts reach an export.
@@ -213,6 +235,14 @@ pub struct Agent {
     /// re-exports (and relinks) every export before any grant is served.
     export_ports: std::sync::Mutex<BTreeMap<VolumeId, Ports>>,
     boot_id: String,
+    /// The state directory's identity (C6).
+    state_id: crate::state::StateIdentity,
+    /// Volumes held here without a mark since the last loss: refused unless re-seeded.
+    unmarked: std::sync::Mutex<BTreeSet<VolumeId>>,
+    /// While `StateLost`: the epoch a re-seeding resync must carry.
+    loss_epoch: std::sync::Mutex<Option<String>>,
+    /// One re-initialisation of a state directory lost under the agent at a time.
+    loss_lock: tokio::sync::Mutex<()>,
     settings: AgentSettings,
     metrics: Arc<Metrics>,
 }
@@ -227,9 +257,12 @@ impl std::fmt::Debug for Agent {
 }
 
 impl Agent {
-    /// Assembles an agent. It starts `WaitingForResync`.
+    /// Assembles an agent. It starts `WaitingForResync`;
+    /// [`detect_loss_at_start`](Self::detect_loss_at_start) decides whether its state was lost.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         engine: Arc<Engine>,
+        state_id: crate::state::StateIdentity,
         marks: MarkStore,
         snapshot_marks: MarkStore,
         target: Target,
@@ -249,6 +282,10 @@ impl Agent {
             unrestored: std::sync::Mutex::new(BTreeSet::new()),
             export_ports: std::sync::Mutex::new(BTreeMap::new()),
             boot_id: uuid::Uuid::new_v4().to_string(),
+            state_id,
+            unmarked: std::sync::Mutex::new(BTreeSet::new()),
+            loss_epoch: std::sync::Mutex::new(None),
+            loss_lock: tokio::sync::Mutex::new(()),
             settings,
             metrics,
         }
@@ -322,17 +359,17 @@ impl Agent {
 
     /// Checks the token against the volume's mark, without writing anything. Must be called
     /// with the volume lock held, and the decision committed under the same lock.
-    fn check(
+    async fn check(
         &self,
         volume: &VolumeId,
         token: Option<&Token>,
         intent: Intent,
     ) -> Result<Decision, AgentError> {
-        self.check_in(&self.marks, volume, token, intent)
+        self.check_in(&self.marks, volume, token, intent).await
     }
 
     /// [`check`](Self::check) against the marks of `marks` (volumes' or snapshots').
-    fn check_in(
+    async fn check_in(
         &self,
         marks: &MarkStore,
         volume: &VolumeId,
@@ -340,6 +377,10 @@ impl Agent {
         intent: Intent,
     ) -> Result<Decision, AgentError> {
         let mark = marks.read(volume)?;
+        if mark.is_none() {
+            // C6: no mark may be a lost mark.
+            self.confirm_no_mark(marks, volume, intent).await?;
+        }
         decide(volume, mark.as_ref(), token, intent).map_err(|rejection| {
             self.metrics.fence_rejected(rejection.reason());
             tracing::warn!(%volume, reason = rejection.reason(), "fencing rejected a request: {rejection}");
@@ -374,6 +415,9 @@ impl Agent {
                 .into());
             }
             marks.write(&self.engine, volume, &next).await?;
+            if std::ptr::eq(marks, &self.marks) {
+                self.unmarked_set().remove(volume);
+            }
         }
         Ok(())
     }
@@ -386,7 +430,7 @@ impl Agent {
         token: Option<&Token>,
         intent: Intent,
     ) -> Result<(), AgentError> {
-        let decision = self.check(volume, token, intent)?;
+        let decision = self.check(volume, token, intent).await?;
         self.commit(volume, decision).await
     }
 
@@ -399,6 +443,7 @@ impl Agent {
         size: VolumeSize,
     ) -> Result<VolumeInfo, AgentError> {
         let backend = self.pool(pool)?;
+        self.ensure_not_lost().await?;
         let _lock = self.lock_volume(volume).await;
         self.fence(volume, token.as_ref(), Intent::Create).await?;
         Ok(backend.create(volume, size.bytes()).await?)
@@ -413,6 +458,7 @@ impl Agent {
         size: VolumeSize,
     ) -> Result<VolumeInfo, AgentError> {
         let backend = self.pool(pool)?;
+        self.ensure_not_lost().await?;
         let _lock = self.lock_volume(volume).await;
         self.fence(volume, token.as_ref(), Intent::Expand).await?;
         let info = backend.expand(volume, size.bytes()).await?;
@@ -450,9 +496,10 @@ impl Agent {
         pool: &str,
     ) -> Result<(), AgentError> {
         let backend = self.pool(pool)?;
+        self.ensure_not_lost().await?;
         let _lock = self.lock_volume(volume).await;
         // Reject stale requests before revealing anything about the volume.
-        let decision = self.check(volume, token.as_ref(), Intent::Delete)?;
+        let decision = self.check(volume, token.as_ref(), Intent::Delete).await?;
         {
             let nqn = volume.subsystem_nqn();
             let guard = self.target.shared().await;
@@ -480,6 +527,7 @@ impl Agent {
         match *self.readiness.read().await {
             Readiness::Serving => Ok(()),
             Readiness::WaitingForResync => Err(AgentError::WaitingForResync),
+            Readiness::StateLost => Err(AgentError::StateLost),
         }
     }
 
@@ -501,7 +549,7 @@ impl Agent {
         let service = request.protocol.service.get();
         let backend = self.pool(&request.pool)?;
         let _lock = self.lock_volume(volume).await;
-        let decision = self.check(volume, request.token.as_ref(), intent)?;
+        let decision = self.check(volume, request.token.as_ref(), intent).await?;
         let info = backend
             .lookup(volume)
             .await?
@@ -620,6 +668,7 @@ impl Agent {
         token: Option<Token>,
         volume: &VolumeId,
     ) -> Result<(), AgentError> {
+        self.ensure_not_lost().await?;
         let _lock = self.lock_volume(volume).await;
         self.fence(volume, token.as_ref(), Intent::Unexport).await?;
         let nqn = volume.subsystem_nqn();
@@ -675,6 +724,7 @@ impl Agent {
         volume: &VolumeId,
         host: &HostNqn,
     ) -> Result<(), AgentError> {
+        self.ensure_not_lost().await?;
         self.change_acl(token, volume, host, Intent::Revoke).await
     }
 
@@ -686,7 +736,7 @@ impl Agent {
         intent: Intent,
     ) -> Result<(), AgentError> {
         let _lock = self.lock_volume(volume).await;
-        let decision = self.check(volume, token.as_ref(), intent)?;
+        let decision = self.check(volume, token.as_ref(), intent).await?;
         self.commit(volume, decision).await?;
         let nqn = volume.subsystem_nqn();
         let acl_only = intent == Intent::Revoke && self.settings.unsafe_revoke_acl_only;
@@ -869,11 +919,15 @@ impl Agent {
     }
 
     /// Applies the controller's complete export state of this node, then starts serving.
+    /// While the state is lost (C6) `epoch` must be the current state epoch, and the agent
+    /// serves afterwards only if no other loss was detected meanwhile.
     pub async fn resync(
         &self,
         exports: Vec<ExportRequest>,
+        epoch: &str,
     ) -> Result<(Vec<ResyncOutcome>, Vec<String>), AgentError> {
         use futures::StreamExt as _;
+        let serves_under = self.resync_epoch(epoch)?;
         let listed: BTreeSet<VolumeId> = exports.iter().map(|e| e.volume.clone()).collect();
         {
             // One full read for the whole resync; every export then reads only its own scope.
@@ -911,7 +965,16 @@ impl Agent {
             .filter(|o| o.result.is_err())
             .map(|o| o.volume.clone())
             .collect();
-        *self.readiness.write().await = Readiness::Serving;
+        {
+            let mut readiness = self.readiness.write().await;
+            let mut current = self.epoch_slot();
+            if *current != serves_under {
+                // The state was lost (again) during this resync: its seeds may be incomplete.
+                return Err(AgentError::StateLost);
+            }
+            *current = None;
+            *readiness = Readiness::Serving;
+        }
         tracing::info!(
             exports = outcomes.len(),
             unlisted = unlisted.len(),

@@ -98,7 +98,9 @@ pub struct Target {
     lock: RwLock<()>,
     model: std::sync::Mutex<ModelSlot>,
     engine: Arc<Engine>,
-    identities: Arc<DurableDir>,
+    /// Replaced only by [`reopen_identities`](Target::reopen_identities), after the state
+    /// directory was lost under the running agent.
+    identities: std::sync::RwLock<Arc<DurableDir>>,
     hooks: Hooks,
 }
 
@@ -133,11 +135,11 @@ impl TargetGuard<'_> {
 pub fn touches_shared(op: &Op) -> bool {
     let mut parts = op.path().components();
     let top = parts.next().map(|c| c.as_os_str());
-    let shared_dir = top == Some(pillar_nvmet::model::PORTS.as_ref())
-        || top == Some(pillar_nvmet::model::HOSTS.as_ref());
+    let shared_dir = top == Some(pillar_nvmet::PORTS.as_ref())
+        || top == Some(pillar_nvmet::HOSTS.as_ref());
     match op {
         Op::Mkdir { .. } | Op::Rmdir { .. } => shared_dir && parts.clone().count() == 1,
-        Op::Write { .. } => top == Some(pillar_nvmet::model::PORTS.as_ref()),
+        Op::Write { .. } => top == Some(pillar_nvmet::PORTS.as_ref()),
         Op::Symlink { .. } | Op::Unlink { .. } => false,
     }
 }
@@ -177,7 +179,7 @@ impl Target {
             lock: RwLock::new(()),
             model: std::sync::Mutex::new(ModelSlot::default()),
             engine,
-            identities,
+            identities: std::sync::RwLock::new(identities),
             hooks,
         })
     }
@@ -425,6 +427,27 @@ impl Target {
         }
     }
 
+    fn identities(&self) -> Arc<DurableDir> {
+        Arc::clone(
+            &self
+                .identities
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// Opens the identity records' directory again by its path (creating it), after the state
+    /// directory was deleted under the agent.
+    pub fn reopen_identities(&self) -> Result<(), TargetError> {
+        let fresh =
+            DurableDir::open(self.identities().path().to_path_buf()).map_err(TargetError::Apply)?;
+        *self
+            .identities
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+        Ok(())
+    }
+
     fn identity_file(volume: &VolumeId) -> String {
         format!("{volume}.json")
     }
@@ -434,7 +457,7 @@ impl Target {
         &self,
         volume: &VolumeId,
     ) -> Result<Option<IdentityRecord>, TargetError> {
-        let path = self.identities.path().join(Self::identity_file(volume));
+        let path = self.identities().path().join(Self::identity_file(volume));
         match std::fs::read(&path) {
             Ok(bytes) => {
                 let record = IdentityRecord::decode(&bytes)
@@ -461,7 +484,7 @@ impl Target {
                 },
             })?;
         self.engine
-            .replace_file(&self.identities, &Self::identity_file(volume), bytes)
+            .replace_file(&self.identities(), &Self::identity_file(volume), bytes)
             .await
             .map_err(|source| TargetError::WriteIdentityRecord {
                 volume: volume.to_string(),
@@ -472,7 +495,7 @@ impl Target {
     /// Durably removes the identity record of `volume` (absent is fine).
     pub async fn forget_identity(&self, volume: &VolumeId) -> Result<(), TargetError> {
         self.engine
-            .remove_file(&self.identities, &Self::identity_file(volume))
+            .remove_file(&self.identities(), &Self::identity_file(volume))
             .await
             .map_err(|source| TargetError::WriteIdentityRecord {
                 volume: volume.to_string(),
@@ -511,7 +534,7 @@ impl IdentityRecord {
     /// The namespace identity of the record.
     pub fn namespace(&self) -> Result<NamespaceIdentity, String> {
         Ok(NamespaceIdentity {
-            uuid: pillar_nvmet::identity::parse_uuid(&self.uuid).map_err(|e| e.to_string())?,
+            uuid: pillar_nvmet::parse_uuid(&self.uuid).map_err(|e| e.to_string())?,
             nguid: Nguid::parse(&self.nguid).map_err(|e| e.to_string())?,
         })
     }

@@ -8,9 +8,10 @@ mod support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use pillar_agent::backend::{PoolConfig, PoolKind};
-use pillar_agent::hooks::{HookPoint, Hooks};
-use pillar_agent::server::{EngineKind, serve_with_limits};
+use pillar_agent::Hooks;
+use pillar_agent::hooks::HookPoint;
+use pillar_agent::{EngineKind, serve_with_limits};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use pillar_grpc_unix::Limits;
@@ -78,7 +79,10 @@ async fn a_call_beyond_the_in_flight_bound_is_refused_before_anything_is_done() 
     let client = connect(&dirs.socket()).await;
     client
         .clone()
-        .resync_exports(api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .unwrap();
     client
@@ -212,7 +216,7 @@ async fn the_server_announces_its_stream_window_and_header_bounds() {
         .collect();
     for expected in [
         (0x3, SMALL.max_concurrent_streams),
-        (0x4, pillar_grpc_unix::limits::STREAM_WINDOW),
+        (0x4, pillar_grpc_unix::STREAM_WINDOW),
         (
             0x6,
             u32::try_from(pillar_grpc_unix::rewrite::MAX_HEADER_LIST_SIZE).unwrap(),

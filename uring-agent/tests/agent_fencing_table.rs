@@ -121,7 +121,10 @@ async fn send(a: &mut Agent, call: Call, tok: Option<api::FencingToken>) -> (Cod
             let mut r = export_req("x", 0, VOLUME, true, &[3]);
             r.token = tok;
             let resp = c
-                .resync_exports(api::ResyncExportsRequest { exports: vec![r] })
+                .resync_exports(api::ResyncExportsRequest {
+                    exports: vec![r],
+                    ..Default::default()
+                })
                 .await
                 .expect("a resync answers per volume")
                 .into_inner();

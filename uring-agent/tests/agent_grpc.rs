@@ -286,6 +286,7 @@ async fn no_export_or_grant_before_the_controller_resyncs() {
         let r = c
             .resync_exports(api::ResyncExportsRequest {
                 exports: vec![export_req("u1", 2, "vol-d", true, &[3])],
+                ..Default::default()
             })
             .await
             .unwrap()

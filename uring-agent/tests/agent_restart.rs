@@ -41,7 +41,10 @@ async fn sigkill_during_mark_writes_leaves_whole_marks_and_keeps_fencing() {
             let agent = AgentProcess::spawn(&dirs, engine);
             let mut client = connect(&dirs.socket()).await;
             client
-                .resync_exports(api::ResyncExportsRequest { exports: vec![] })
+                .resync_exports(api::ResyncExportsRequest {
+                    exports: vec![],
+                    ..Default::default()
+                })
                 .await
                 .unwrap();
             // Per volume: (highest generation sent, highest acknowledged).
@@ -146,9 +149,12 @@ async fn restart_waits_for_resync_then_restores_the_same_identity() {
         let dirs = Dirs::new();
         let agent = AgentProcess::spawn(&dirs, engine);
         let mut c = connect(&dirs.socket()).await;
-        c.resync_exports(api::ResyncExportsRequest { exports: vec![] })
-            .await
-            .unwrap();
+        c.resync_exports(api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
         c.create_volume(create_req("u1", 1, "vol-r", 16 * MIB))
             .await
             .unwrap();
@@ -167,11 +173,14 @@ async fn restart_waits_for_resync_then_restores_the_same_identity() {
             let agent = AgentProcess::spawn(&dirs, engine);
             let mut c = connect(&dirs.socket()).await;
             let h = c.health(api::HealthRequest {}).await.unwrap().into_inner();
-            assert_eq!(
-                h.state(),
-                api::health_response::State::WaitingForResync,
-                "{engine}"
-            );
+            // With the state directory gone while the pool still holds the volume, the agent
+            // knows its marks were lost (C6) and takes a resync only with its state epoch.
+            let want = if wipe {
+                api::health_response::State::Lost
+            } else {
+                api::health_response::State::WaitingForResync
+            };
+            assert_eq!(h.state(), want, "{engine}");
             let status = c
                 .export(export_req("u1", 3, "vol-r", true, &[1]))
                 .await
@@ -185,6 +194,7 @@ async fn restart_waits_for_resync_then_restores_the_same_identity() {
             let r = c
                 .resync_exports(api::ResyncExportsRequest {
                     exports: vec![export_req("u1", 3, "vol-r", true, &[1])],
+                    state_epoch: h.state_epoch.clone(),
                 })
                 .await
                 .unwrap()
@@ -201,9 +211,12 @@ async fn restart_waits_for_resync_then_restores_the_same_identity() {
         }
         let agent = AgentProcess::spawn(&dirs, engine);
         let mut c = connect(&dirs.socket()).await;
-        c.resync_exports(api::ResyncExportsRequest { exports: vec![] })
-            .await
-            .unwrap();
+        c.resync_exports(api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
         c.unexport(api::UnexportRequest {
             token: token("u1", 10),
             volume_id: "vol-r".into(),

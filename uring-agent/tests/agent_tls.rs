@@ -8,7 +8,7 @@ mod support;
 use std::net::SocketAddr;
 use std::path::Path;
 
-use pillar_agent::server::{EngineKind, Listen, TlsFiles, serve};
+use pillar_agent::{EngineKind, Listen, TlsFiles, serve};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
@@ -192,9 +192,12 @@ async fn only_the_authorised_controller_may_call() {
         good.create_volume(no_token).await.unwrap_err().code(),
         Code::FailedPrecondition
     );
-    good.resync_exports(api::ResyncExportsRequest { exports: vec![] })
-        .await
-        .unwrap();
+    good.resync_exports(api::ResyncExportsRequest {
+        exports: vec![],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     good.revoke_initiator(api::RevokeInitiatorRequest {
         token: token("u1", 1),
         volume_id: "t1".into(),
@@ -235,7 +238,7 @@ fn serve_mtls(
     listen: Listen,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), pillar_agent::server::ServerError>>,
+    tokio::task::JoinHandle<Result<(), pillar_agent::ServerError>>,
 ) {
     let (cert, key) = pki.leaf("agent.pillar.test");
     let mut config = dirs.config(EngineKind::Sync);

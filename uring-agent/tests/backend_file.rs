@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use pillar_agent::backend::loopdev;
 use pillar_agent::backend::{
-    Backend, BackendError, FileBackend, MAX_VOLUME_BYTES, MIB, PoolConfig, PoolKind,
-    ScriptedRunner, VolumeInfo,
+    Backend, BackendError, FileBackend, MAX_VOLUME_BYTES, MIB, ScriptedRunner, VolumeInfo,
 };
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_nvmet::VolumeId;
 
 /// A pool in a temporary directory. Field order matters: the loop devices are unbound before

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use pillar_agent::backend::{
     Backend, BackendError, CommandError, CommandRunner, ContentSource, CopyInto, CopyPolicy,
-    LvmBackend, MIB, PoolConfig, PoolKind, Reply, ScriptedRunner,
+    LvmBackend, MIB, Reply, ScriptedRunner,
 };
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_nvmet::VolumeId;
 
 const LV_FIELDS: &str = "lv_name,lv_path,lv_size,lv_tags,lv_attr,pool_lv";

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent::backend::{
-    Backend, BackendError, CommandError, CommandRunner, CopyPolicy, PoolConfig, PoolKind, Reply,
-    ScriptedRunner, ZfsBackend,
+    Backend, BackendError, CommandError, CommandRunner, CopyPolicy, Reply, ScriptedRunner,
+    ZfsBackend,
 };
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_nvmet::VolumeId;
 
 const GIB: u64 = 1 << 30;

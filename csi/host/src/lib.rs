@@ -2,12 +2,14 @@
 //!
 //! The CSI node service builds on this crate; it holds no gRPC and no policy of its own.
 //!
-//! - [`fabrics`]: connect to an NVMe/TCP subsystem by writing one options line to
+//! The face is the crate root, with two named rooms whose callers use them as namespaces:
+//! [`resv`] and [`mountinfo`]; the rest is private behind the root's re-exports:
+//! - `fabrics`: connect to an NVMe/TCP subsystem by writing one options line to
 //!   `/dev/nvme-fabrics`.
-//! - [`sysfs`]: find the controllers and namespace block devices of a subsystem, verify a
+//! - `sysfs`: find the controllers and namespace block devices of a subsystem, verify a
 //!   namespace's identity (rule N1), disconnect exactly one subsystem's controllers (rule N4).
-//! - [`fs`]: probe, format only blank devices (rule N3), mount, bind-mount, unmount, grow, stats.
-//! - [`stage`]: durable, atomically replaced stage records (rules N2, C4).
+//! - `fs`: probe, format only blank devices (rule N3), mount, bind-mount, unmount, grow, stats.
+//! - `stage`: durable, atomically replaced stage records (rules N2, C4).
 //! - [`resv`]: NVMe reservations through the passthrough ioctl (rule W9).
 //!
 //! Every function takes its roots ([`HostPaths`], a state directory) explicitly: tests point them
@@ -17,13 +19,13 @@
 //! All calls block (syscalls, sysfs reads, child processes, sleeps while polling). An async caller
 //! runs them on a blocking thread (`tokio::task::spawn_blocking`).
 
-pub mod error;
-pub mod fabrics;
-pub mod fs;
+mod error;
+mod fabrics;
+mod fs;
 pub mod mountinfo;
 pub mod resv;
-pub mod stage;
-pub mod sysfs;
+mod stage;
+mod sysfs;
 
 mod exec;
 mod sys;
@@ -43,9 +45,9 @@ pub use fs::{
 pub use mountinfo::MountEntry;
 pub use stage::{StageMode, StagePhase, StageRecord, StageStore};
 pub use sysfs::{
-    ControllerInfo, ControllerState, NamespaceDevice, NamespaceParent, controller_live,
-    controllers_for, disconnect_subsystem, namespaces_for, namespaces_for_host, rescan_controller,
-    verify_identity, wait_for_namespace,
+    ControllerInfo, ControllerState, NamespaceDevice, NamespaceParent, POLL_INTERVAL,
+    controller_live, controllers_for, disconnect_subsystem, namespaces_for, namespaces_for_host,
+    rescan_controller, verify_identity, wait_for_namespace,
 };
 
 /// The roots under which the kernel's device nodes and sysfs live.

@@ -12,7 +12,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pillar_host::fs::find_mount;
+use pillar_host::find_mount;
 use pillar_host::{
     Formatted, FsType, HostError, Probe, bind_mount, block_device_size, format_if_blank,
     grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank, unmount, volume_stats,

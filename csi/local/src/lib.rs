@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pillar_agent::backend::{PoolConfig, PoolKind};
-use pillar_agent::server::{EngineKind, Listen, ServerConfig};
-use pillar_agent::service::AgentSettings;
-use pillar_agent::target::TargetConfig;
+use pillar_agent::AgentSettings;
+use pillar_agent::TargetConfig;
+use pillar_agent::{EngineKind, Listen, ServerConfig};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_host::HostPaths;
 use pillar_nvmet::HostNqn;
 use pillar_state::EmbeddedStore;
@@ -97,7 +97,7 @@ fn host_identity(dir: &Path) -> Result<(HostNqn, uuid::Uuid), LocalError> {
             id
         }
     };
-    let nqn = format!("{}{id}", pillar_nvmet::names::UUID_NQN_PREFIX);
+    let nqn = format!("{}{id}", pillar_nvmet::UUID_NQN_PREFIX);
     Ok((
         HostNqn::parse(&nqn).map_err(|_| LocalError::HostNqn(nqn))?,
         id,
@@ -161,7 +161,7 @@ pub async fn start(
     };
     let agent_stop = stop(shutdown.clone());
     tokio::spawn(async move {
-        if let Err(e) = pillar_agent::server::serve(agent_config, agent_stop).await {
+        if let Err(e) = pillar_agent::serve(agent_config, agent_stop).await {
             tracing::error!(error = ?e, "agent stopped");
         }
     });

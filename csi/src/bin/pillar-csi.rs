@@ -147,8 +147,15 @@ async fn main() -> anyhow::Result<()> {
             hostnqn_file,
             hostid_file,
             topology,
+            test_local_device_attach,
             grpc,
         } => {
+            let (attach, reservations) = if test_local_device_attach {
+                tracing::warn!("TEST ONLY: --test-local-device-attach: volumes are the agent's local devices, not NVMe/TCP; no identity check, no reservation");
+                (AttachMode::LocalDevice, false)
+            } else {
+                (AttachMode::NvmeTcp, true)
+            };
             let host_nqn = read_trimmed(&hostnqn_file)?.parse().context("host NQN")?;
             let host_id = read_trimmed(&hostid_file)?.parse().context("host ID")?;
             let node = NodeService::new(NodeConfig {
@@ -157,9 +164,9 @@ async fn main() -> anyhow::Result<()> {
                 host_id,
                 state_dir,
                 paths: HostPaths::system(),
-                attach: AttachMode::NvmeTcp,
+                attach,
                 connect_timeout: Duration::from_secs(30),
-                reservations: true,
+                reservations,
                 topology: topology.into_iter().collect(),
             })
             .context("node plugin")?;

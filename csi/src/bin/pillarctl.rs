@@ -101,6 +101,86 @@ enum Command {
     Delete { name: String },
     /// The NVMe block device of an attached volume on this host (by subsystem NQN in sysfs).
     Device { name: String },
+    /// One node-side call alone, as kubelet makes it: with the publish context the attacher
+    /// recorded in the VolumeAttachment and the PV's volume attributes (the end-to-end suite
+    /// plays kubelet with these where no kubelet runs).
+    #[command(subcommand)]
+    Kubelet(KubeletCall),
+}
+
+/// The calls kubelet makes on a node plugin, each with what kubelet passes.
+#[derive(Debug, Subcommand)]
+enum KubeletCall {
+    /// NodeStageVolume.
+    Stage {
+        volume_id: String,
+        #[arg(long)]
+        staging: PathBuf,
+        #[command(flatten)]
+        volume: KubeletVolume,
+    },
+    /// NodePublishVolume.
+    Publish {
+        volume_id: String,
+        #[arg(long)]
+        staging: PathBuf,
+        #[arg(long)]
+        target: PathBuf,
+        #[arg(long)]
+        readonly: bool,
+        #[command(flatten)]
+        volume: KubeletVolume,
+    },
+    /// NodeUnpublishVolume.
+    Unpublish {
+        volume_id: String,
+        #[arg(long)]
+        target: PathBuf,
+    },
+    /// NodeUnstageVolume.
+    Unstage {
+        volume_id: String,
+        #[arg(long)]
+        staging: PathBuf,
+    },
+    /// NodeExpandVolume.
+    Expand {
+        volume_id: String,
+        #[arg(long)]
+        size: i64,
+        #[arg(long)]
+        path: PathBuf,
+        #[arg(long)]
+        staging: PathBuf,
+        #[arg(long)]
+        block: bool,
+        #[arg(long, value_enum, default_value = "rwo")]
+        mode: Mode,
+    },
+}
+
+/// What kubelet passes about the volume on stage and publish.
+#[derive(Debug, clap::Args)]
+struct KubeletVolume {
+    #[arg(long)]
+    block: bool,
+    #[arg(long, value_enum, default_value = "rwo")]
+    mode: Mode,
+    /// The PV's `csi.fsType`.
+    #[arg(long, default_value = "")]
+    fs_type: String,
+    /// A publish-context entry `KEY=VALUE` (repeatable).
+    #[arg(long = "publish-context", value_parser = key_value)]
+    publish_context: Vec<(String, String)>,
+    /// A volume-context entry `KEY=VALUE` (repeatable).
+    #[arg(long = "volume-context", value_parser = key_value)]
+    volume_context: Vec<(String, String)>,
+}
+
+fn key_value(raw: &str) -> Result<(String, String), String> {
+    raw.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{raw:?} is not KEY=VALUE"))
 }
 
 async fn channel(path: &Path) -> anyhow::Result<Channel> {
@@ -114,6 +194,101 @@ async fn channel(path: &Path) -> anyhow::Result<Channel> {
         }))
         .await
         .with_context(|| format!("connecting to {}", path.display()))
+}
+
+/// The capability kubelet passes: the PV's access mode and, for a filesystem volume, its fsType.
+fn kubelet_capability(volume: &KubeletVolume) -> csi::VolumeCapability {
+    let mut cap = capability(volume.block, volume.mode);
+    if let Some(csi::volume_capability::AccessType::Mount(m)) = &mut cap.access_type {
+        m.fs_type.clone_from(&volume.fs_type);
+    }
+    cap
+}
+
+/// Makes one node-side call as kubelet does.
+async fn kubelet_call(
+    mut node: NodeClient<Channel>,
+    call: KubeletCall,
+) -> anyhow::Result<serde_json::Value> {
+    let path = |p: &Path| p.display().to_string();
+    Ok(match call {
+        KubeletCall::Stage {
+            volume_id,
+            staging,
+            volume,
+        } => {
+            node.node_stage_volume(csi::NodeStageVolumeRequest {
+                volume_id: volume_id.clone(),
+                publish_context: volume.publish_context.iter().cloned().collect(),
+                staging_target_path: path(&staging),
+                volume_capability: Some(kubelet_capability(&volume)),
+                volume_context: volume.volume_context.iter().cloned().collect(),
+                ..Default::default()
+            })
+            .await?;
+            json!({"volume_id": volume_id, "staged": staging})
+        }
+        KubeletCall::Publish {
+            volume_id,
+            staging,
+            target,
+            readonly,
+            volume,
+        } => {
+            node.node_publish_volume(csi::NodePublishVolumeRequest {
+                volume_id: volume_id.clone(),
+                publish_context: volume.publish_context.iter().cloned().collect(),
+                staging_target_path: path(&staging),
+                target_path: path(&target),
+                volume_capability: Some(kubelet_capability(&volume)),
+                readonly,
+                volume_context: volume.volume_context.iter().cloned().collect(),
+                ..Default::default()
+            })
+            .await?;
+            json!({"volume_id": volume_id, "published": target})
+        }
+        KubeletCall::Unpublish { volume_id, target } => {
+            node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                volume_id: volume_id.clone(),
+                target_path: path(&target),
+            })
+            .await?;
+            json!({"volume_id": volume_id, "unpublished": target})
+        }
+        KubeletCall::Unstage { volume_id, staging } => {
+            node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: volume_id.clone(),
+                staging_target_path: path(&staging),
+            })
+            .await?;
+            json!({"volume_id": volume_id, "unstaged": staging})
+        }
+        KubeletCall::Expand {
+            volume_id,
+            size,
+            path: volume_path,
+            staging,
+            block,
+            mode,
+        } => {
+            let grown = node
+                .node_expand_volume(csi::NodeExpandVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    volume_path: path(&volume_path),
+                    capacity_range: Some(csi::CapacityRange {
+                        required_bytes: size,
+                        limit_bytes: 0,
+                    }),
+                    staging_target_path: path(&staging),
+                    volume_capability: Some(capability(block, mode)),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            json!({"volume_id": volume_id, "capacity_bytes": grown.capacity_bytes})
+        }
+    })
 }
 
 fn capability(block: bool, mode: Mode) -> csi::VolumeCapability {
@@ -145,7 +320,8 @@ async fn main() -> anyhow::Result<()> {
                 .node_get_info(csi::NodeGetInfoRequest {})
                 .await?
                 .into_inner();
-            json!({"node_id": info.node_id})
+            let topology = info.accessible_topology.map(|t| t.segments);
+            json!({"node_id": info.node_id, "topology": topology})
         }
         Command::Create {
             name,
@@ -325,15 +501,15 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Device { name } => {
             let nqn = pillar_nvmet::VolumeId::parse(&name)?.subsystem_nqn();
-            let devices =
-                pillar_host::sysfs::namespaces_for(&pillar_host::HostPaths::system(), &nqn)
-                    .context("reading NVMe sysfs")?;
+            let devices = pillar_host::namespaces_for(&pillar_host::HostPaths::system(), &nqn)
+                .context("reading NVMe sysfs")?;
             let paths: Vec<_> = devices
                 .iter()
                 .map(|d| d.dev_path.display().to_string())
                 .collect();
             json!({"volume_id": name, "nqn": nqn.to_string(), "devices": paths})
         }
+        Command::Kubelet(call) => kubelet_call(node_client().await?, call).await?,
     };
     println!("{out}");
     Ok(())

@@ -99,7 +99,7 @@ impl Controller {
         let first = self.timed(what, call(target.client.clone(), token)).await;
         let status = match first {
             Ok(r) => return Ok(r.into_inner()),
-            Err(s) if reason_of(&s) == ErrorReason::WaitingForResync => s,
+            Err(s) if needs_resync(&s) => s,
             Err(s) => return Err(agent_err(what, &target.name)(s)),
         };
         tracing::info!(volume = %target.name, call = what, "agent waits for a resync: {}", status.message());
@@ -157,6 +157,15 @@ impl Controller {
             .find(|v| v.volume_id == state.spec.volume_id)
             .map(|v| v.device_path))
     }
+}
+
+/// Whether the agent answered that it waits for a resync: after a start (C3) or after it lost
+/// its state (C6).
+pub(super) fn needs_resync(status: &Status) -> bool {
+    matches!(
+        reason_of(status),
+        ErrorReason::WaitingForResync | ErrorReason::StateLost
+    )
 }
 
 /// The export of `volume` as its record says: the ACL admits the recorded publications that

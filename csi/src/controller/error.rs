@@ -136,13 +136,14 @@ pub fn agent_code(status: &Status) -> Code {
         R::InvalidRequest | R::UnsupportedByBackend => Code::InvalidArgument,
         R::UnknownPool | R::VolumeNotFound | R::SnapshotNotFound => Code::NotFound,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
-        R::WaitingForResync | R::NoNvmet | R::Overloaded => Code::Unavailable,
+        R::WaitingForResync | R::NoNvmet | R::Overloaded | R::StateLost => Code::Unavailable,
         R::NotExported
         | R::StillExported
         | R::NoSafePlan
         | R::BackendRefused
         | R::SourceNotLive
-        | R::SourceInUse => Code::FailedPrecondition,
+        | R::SourceInUse
+        | R::UnclaimedVolume => Code::FailedPrecondition,
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
         R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {

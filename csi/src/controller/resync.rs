@@ -123,6 +123,17 @@ impl Controller {
         let _one_at_a_time = self.resync_lock.lock().await;
         use futures::StreamExt as _;
         let name = agent.metadata.name.clone().unwrap_or_default();
+        // C6: an agent that lost its state takes a resync only with the epoch it reports now,
+        // read before any token is taken: every token below is then newer than its loss.
+        let state_epoch = self
+            .agents
+            .client(agent)
+            .await?
+            .health(agent_api::HealthRequest {})
+            .await
+            .map_err(agent_err("Health", ""))?
+            .into_inner()
+            .state_epoch;
         let volumes: Vec<PillarVolumeState> = self
             .store
             .list_volumes()
@@ -159,7 +170,10 @@ impl Controller {
         let mut client = self.agents.client(agent).await?;
         let count = exports.len();
         let response = client
-            .resync_exports(agent_api::ResyncExportsRequest { exports })
+            .resync_exports(agent_api::ResyncExportsRequest {
+                exports,
+                state_epoch,
+            })
             .await
             .map_err(agent_err("ResyncExports", ""))?
             .into_inner();
@@ -323,11 +337,17 @@ impl Controller {
             if let Ok(h) = &health {
                 self.metrics.agent_waiting(
                     &name,
-                    h.state() == agent_api::health_response::State::WaitingForResync,
+                    h.state() != agent_api::health_response::State::Serving,
                 );
             }
             let seen = match health {
-                Ok(h) if h.state() == agent_api::health_response::State::WaitingForResync => {
+                Ok(h)
+                    if matches!(
+                        h.state(),
+                        agent_api::health_response::State::WaitingForResync
+                            | agent_api::health_response::State::Lost
+                    ) =>
+                {
                     match self.resync_agent(&agent).await {
                         Ok(response) => {
                             self.metrics.agent_waiting(&name, false);

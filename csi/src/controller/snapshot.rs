@@ -171,7 +171,7 @@ impl Controller {
         let first = call(client.clone(), token).await;
         match first {
             Ok(r) => return Ok(r.into_inner()),
-            Err(st) if reason_of(&st) == ErrorReason::WaitingForResync => {
+            Err(st) if super::agent::needs_resync(&st) => {
                 tracing::info!(
                     snapshot = name,
                     call = what,

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use pillar_host::sysfs::POLL_INTERVAL;
+use pillar_host::POLL_INTERVAL;
 use pillar_host::{
     ConnectOptions, ControllerInfo, ControllerState, HostError, StageRecord, controllers_for,
     disconnect_subsystem, verify_identity, wait_for_namespace,
@@ -254,7 +254,7 @@ impl Engine {
     /// controller is not enough: after `identifiers changed` the host removes the namespace and
     /// keeps the controller.
     fn namespace_health(&self, record: &StageRecord) -> Result<(), String> {
-        let devices = pillar_host::sysfs::namespaces_for_host(
+        let devices = pillar_host::namespaces_for_host(
             &self.cfg.paths,
             &record.nqn,
             Some(&self.cfg.host_nqn),
@@ -276,7 +276,7 @@ impl Engine {
                 record.device.as_deref().unwrap_or("(no device)")
             ));
         };
-        pillar_host::sysfs::verify_identity(device, &expected).map_err(|e| {
+        pillar_host::verify_identity(device, &expected).map_err(|e| {
             format!(
                 "the namespace {} no longer has the volume's identity: {e}",
                 device.dev_path.display()

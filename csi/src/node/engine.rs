@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::Instant;
 
+use pillar_host::POLL_INTERVAL;
 use pillar_host::mountinfo::{self, MountEntry};
-use pillar_host::sysfs::POLL_INTERVAL;
 use pillar_host::{
     Formatted, FsType, Probe, StageMode, StagePhase, StageRecord, StageStore, bind_mount,
     block_device_size, find_mount, format_if_blank, grow_filesystem, is_mountpoint, probe, unmount,

@@ -20,10 +20,11 @@ mod error;
 mod request;
 mod reserve;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use pillar_host::StageStore;
+use pillar_lock_by_id::{IdGuard, LockById};
 use pillar_nvmet::VolumeId;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
@@ -49,38 +50,19 @@ use engine::Engine;
 /// The topology key a node's segment is published under.
 pub const TOPOLOGY_KEY: &str = "pillar.io/node";
 
-/// Volumes with an operation in progress.
+/// Volumes with an operation in progress: a call on a held volume is refused at once
+/// ([`NodeError::Busy`], ABORTED), never queued behind a slow mkfs or connect.
 #[derive(Debug, Default)]
-struct VolumeLocks {
-    busy: Arc<Mutex<HashSet<VolumeId>>>,
-}
+struct VolumeLocks(LockById<VolumeId>);
 
 /// Held while an operation on one volume runs; dropping it frees the volume.
-#[derive(Debug)]
-struct VolumeGuard {
-    busy: Arc<Mutex<HashSet<VolumeId>>>,
-    volume: VolumeId,
-}
+type VolumeGuard = IdGuard<VolumeId>;
 
 impl VolumeLocks {
     fn try_lock(&self, volume: &VolumeId) -> Result<VolumeGuard, NodeError> {
-        let mut busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
-        if !busy.insert(volume.clone()) {
-            return Err(NodeError::Busy(volume.to_string()));
-        }
-        Ok(VolumeGuard {
-            busy: Arc::clone(&self.busy),
-            volume: volume.clone(),
-        })
-    }
-}
-
-impl Drop for VolumeGuard {
-    fn drop(&mut self) {
-        self.busy
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.volume);
+        self.0
+            .try_lock(volume.clone())
+            .ok_or_else(|| NodeError::Busy(volume.to_string()))
     }
 }
 
@@ -387,5 +369,35 @@ impl Node for NodeService {
             max_volumes_per_node: 0,
             accessible_topology: Some(csi::Topology { segments }),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // A second operation on a volume in progress is refused at once with the same ABORTED
+    // answer, another volume is not held up, and the volume is free again when the first ends.
+    #[test]
+    fn a_busy_volume_is_aborted_until_its_operation_ends() {
+        let locks = VolumeLocks::default();
+        let a = VolumeId::parse("pvc-a").expect("volume id");
+        let b = VolumeId::parse("pvc-b").expect("volume id");
+        let held = locks.try_lock(&a).expect("free volume");
+        let err = locks.try_lock(&a).expect_err("held volume");
+        assert!(
+            matches!(&err, NodeError::Busy(v) if v == "pvc-a"),
+            "{err:?}"
+        );
+        assert_eq!(code_of(&err), tonic::Code::Aborted);
+        assert_eq!(
+            err.to_string(),
+            "an operation on volume pvc-a is already in progress; retry later"
+        );
+        let other = locks.try_lock(&b).expect("another volume is not held up");
+        drop(held);
+        drop(other);
+        assert!(locks.0.is_empty(), "no entry outlives its operation");
+        let _again = locks.try_lock(&a).expect("free again");
     }
 }

@@ -153,6 +153,8 @@ async fn s11_density() {
     let response = agent
         .resync_exports(agent_api::ResyncExportsRequest {
             exports: (1..=EXPORTS).map(|n| export_request(&volume(n))).collect(),
+            // The state directory survived the reboot: no loss, no epoch needed.
+            state_epoch: String::new(),
         })
         .await
         .expect("ResyncExports")

@@ -47,7 +47,10 @@ async fn s12_lvm_thin_snapshots() {
     let thin_pool = format!("{POOL}=lvm-thin:{VG}/{S8_THIN_POOL}");
     let mut agent = lab.start_agent(&["--pool", &thin_pool]).await;
     agent
-        .resync_exports(agent_api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(agent_api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .expect("resync");
     sc.step(&format!(

@@ -278,7 +278,10 @@ async fn s13_zfs() {
         .start_agent(&["--pool", &format!("{POOL}=zfs:{PARENT}")])
         .await;
     agent
-        .resync_exports(agent_api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(agent_api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .expect("resync");
     sc.step(&format!(

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use pillar_csi::csi;
-use pillar_host::sysfs::namespaces_for_host;
+use pillar_host::namespaces_for_host;
 
 use crate::harness::MIB;
 use crate::harness::checks::{configfs_identity, host_controllers, volume_stats};

@@ -38,7 +38,10 @@ async fn s6_stale_revoke_rejected() {
     let k0 = lab.kmsg.mark();
     let mut agent = lab.start_agent(&[]).await;
     agent
-        .resync_exports(agent_api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(agent_api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .expect("resync");
     let vol = "kl-s6";

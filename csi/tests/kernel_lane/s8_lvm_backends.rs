@@ -376,7 +376,10 @@ async fn s8_lvm_backends() {
         .start_agent(&["--pool", &lin_pool, "--pool", &thin_pool])
         .await;
     agent
-        .resync_exports(agent_api::ResyncExportsRequest { exports: vec![] })
+        .resync_exports(agent_api::ResyncExportsRequest {
+            exports: vec![],
+            ..Default::default()
+        })
         .await
         .expect("resync");
     let caps = agent

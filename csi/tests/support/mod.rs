@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use pillar_agent::backend::{PoolConfig, PoolKind};
-use pillar_agent::hooks::Hooks;
-use pillar_agent::server::{EngineKind, Listen, ServerConfig, serve as serve_agent};
-use pillar_agent::service::AgentSettings;
-use pillar_agent::target::TargetConfig;
+use pillar_agent::AgentSettings;
+use pillar_agent::Hooks;
+use pillar_agent::TargetConfig;
+use pillar_agent::{EngineKind, Listen, ServerConfig, serve as serve_agent};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_csi::agents::Agents;
 use pillar_csi::controller::{Controller, ControllerService};
 use pillar_csi::csi;

@@ -41,9 +41,10 @@ pub fn code_of(reason: ErrorReason) -> Code {
         | R::NoSafePlan
         | R::BackendRefused
         | R::SourceNotLive
-        | R::SourceInUse => Code::FailedPrecondition,
+        | R::SourceInUse
+        | R::UnclaimedVolume => Code::FailedPrecondition,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
-        R::WaitingForResync | R::NoNvmet | R::Overloaded => Code::Unavailable,
+        R::WaitingForResync | R::NoNvmet | R::Overloaded | R::StateLost => Code::Unavailable,
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
         R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {

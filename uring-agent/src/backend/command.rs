@@ -1,9 +1,11 @@
 //! Running external storage tools (`lvm`, `zfs`) by argv, never through a shell, with a
 //! timeout, and reporting failures with their stderr.
 
+#[cfg(any(test, feature = "test-seams"))]
 use std::collections::VecDeque;
 use std::fmt;
 use std::process::Stdio;
+#[cfg(any(test, feature = "test-seams"))]
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -70,6 +72,7 @@ impl SystemRunner {
     }
 
     /// The timeout of this runner.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -132,6 +135,7 @@ impl CommandRunner for SystemRunner {
 
 /// What a [`ScriptedRunner`] answers to one expected call.
 #[derive(Debug, Clone)]
+#[cfg(any(test, feature = "test-seams"))]
 pub enum Reply {
     /// Success with this stdout.
     Stdout(String),
@@ -145,10 +149,12 @@ pub enum Reply {
 /// panics on any call that differs from the next expectation (program and exact argv), so a
 /// test proves the commands a backend runs, not just its results.
 #[derive(Debug, Default)]
+#[cfg(any(test, feature = "test-seams"))]
 pub struct ScriptedRunner {
     script: Mutex<VecDeque<(String, Vec<String>, Reply)>>,
 }
 
+#[cfg(any(test, feature = "test-seams"))]
 impl ScriptedRunner {
     /// A runner with an empty script: any call panics.
     pub fn new() -> Self {
@@ -175,6 +181,7 @@ impl ScriptedRunner {
     }
 }
 
+#[cfg(any(test, feature = "test-seams"))]
 impl CommandRunner for ScriptedRunner {
     fn run<'a>(
         &'a self,

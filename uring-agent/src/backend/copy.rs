@@ -87,6 +87,7 @@ impl CopyError {
 }
 
 /// Whether `dir` supports reflinks: a probe clone of a one-block file, removed afterwards.
+#[cfg(any(test, feature = "test-seams"))]
 pub fn reflink_supported(dir: &Path) -> Result<bool, CopyError> {
     reflink_supported_between(dir, dir)
 }

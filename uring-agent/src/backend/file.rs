@@ -4,8 +4,9 @@
 //! - The file is the volume: its length is the volume size, and it is created, grown and
 //!   removed with `fsync` of the file and the directory, so a volume reported as created
 //!   survives a power loss.
-//! - A loop device is bound with `LOOP_CONFIGURE` (direct I/O when the kernel accepts it,
-//!   never auto-clear), found again through sysfs and confirmed by device and inode number.
+//! - A loop device is bound with `LOOP_CONFIGURE` (512-byte logical blocks, always, confirmed
+//!   in sysfs: the LBA size the volume is exported with; direct I/O when the kernel accepts it
+//!   at that size; never auto-clear), found again through sysfs and confirmed by device and inode number.
 //!   After a reboot no loop device exists; `lookup` and `list` bind one again.
 //! - A zero-length file is an interrupted create (the length is set right after the file is
 //!   made), so `create` finishes it instead of reporting a size mismatch.
@@ -35,7 +36,7 @@ use pillar_nvmet::VolumeId;
 use super::loopdev::{self, Binding, Detach};
 use super::{
     BackendError, Capacity, ContentSource, CopyInto, CopyPolicy, MIB, SnapshotInfo, VolumeInfo,
-    checked_size, copy, round_up,
+    checked_size, copy,
 };
 
 /// File name extension of backing files.
@@ -111,6 +112,7 @@ impl FileBackend {
     /// The same backend binding loop devices without direct I/O (buffered through the page
     /// cache). Direct I/O is the default.
     #[must_use]
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn with_direct_io(self, direct_io: bool) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -124,24 +126,28 @@ impl FileBackend {
     }
 
     /// The canonical pool directory.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn dir(&self) -> &Path {
         &self.inner.dir
     }
 
     /// How many times this backend read every `/sys/block/loopN` to find a volume's device
     /// (a cost that grows with the node's loop devices; see the module docs for when).
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn loop_scans(&self) -> u64 {
         self.inner.scans.load(Ordering::Relaxed)
     }
 
     /// The backing file of `volume`.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn backing_file(&self, volume: &VolumeId) -> PathBuf {
         self.inner.backing_file(volume)
     }
 
     /// `size_bytes` rounded up to a multiple of 1 MiB.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn round_size(&self, size_bytes: u64) -> u64 {
-        round_up(size_bytes, Self::GRANULARITY)
+        super::round_up(size_bytes, Self::GRANULARITY)
     }
 
     pub async fn create(
@@ -537,6 +543,7 @@ impl Inner {
             match loopdev::backing_identity(binding.index) {
                 Ok((dev, ino)) if dev == meta.dev() && ino == meta.ino() => {
                     let index = binding.index;
+                    warn_on_block_size(index, path);
                     if loopdev::size_bytes(index).map_err(loop_err)? != size {
                         loopdev::set_capacity(index).map_err(loop_err)?;
                         tracing::info!(device = index, size, "loop device resized to its file");
@@ -573,6 +580,23 @@ impl Inner {
             "bound loop device"
         );
         Ok(attached.index)
+    }
+}
+
+/// Warns when a device found bound (by an agent before the block size was pinned, which let
+/// the kernel choose) has a logical block size other than [`loopdev::LOGICAL_BLOCK_SIZE`]. It
+/// is kept: a live export may be serving it, and its next bind gets the pinned size.
+fn warn_on_block_size(index: u32, path: &Path) {
+    match loopdev::logical_block_size(index) {
+        Ok(loopdev::LOGICAL_BLOCK_SIZE) => {}
+        Ok(size) => tracing::warn!(
+            device = index,
+            size,
+            path = %path.display(),
+            "loop device found bound with a logical block size other than 512 bytes; kept \
+             until it is unbound, bound again with 512"
+        ),
+        Err(e) => tracing::warn!(device = index, error = %e, "reading the logical block size"),
     }
 }
 

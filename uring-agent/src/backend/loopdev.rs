@@ -12,6 +12,13 @@
 //!   the kernel detaches at the last close, which for the ioctl's own caller is right after
 //!   the call (synchronously, in that `close`). [`detach`] therefore waits (briefly) until the
 //!   device no longer holds the same file, and says so when someone else still holds it open.
+//! - With `block_size: 0` the kernel picks the logical block size: 512 bytes for buffered I/O,
+//!   the backing file's direct-I/O alignment with `LO_FLAGS_DIRECT_IO`. xfs reports 4096 for a
+//!   file with shared extents (a reflink copy, and its source from the first copy on) and 512
+//!   for any other, so the same volume came back with other sectors after a restore or a
+//!   re-bind. [`attach`] therefore always asks for [`LOGICAL_BLOCK_SIZE`], and checks sysfs
+//!   `queue/logical_block_size` after binding. Asked for 512 bytes with direct I/O on such a
+//!   file, 6.18 binds buffered (silently; older kernels may answer `EINVAL`).
 //! - A freed index is handed out again at once: "loopN is unbound" is not a test of "our
 //!   detach finished" when other processes bind loop devices.
 //! - `/sys/block/loopN/loop/backing_file` shows the path as the kernel resolved it at bind time,
@@ -36,6 +43,7 @@ const LO_KEY_SIZE: usize = 32;
 
 /// `LO_FLAGS_AUTOCLEAR`: detach at last close. pillar never sets it (exports must outlive the
 /// agent); the kernel sets it itself for a deferred `LOOP_CLR_FD`.
+#[cfg(any(test, feature = "test-seams"))]
 pub const LO_FLAGS_AUTOCLEAR: u32 = 4;
 /// `LO_FLAGS_DIRECT_IO`: the loop device reads and writes its backing file with `O_DIRECT`,
 /// so data is not cached twice (once for the loop device, once for the file).
@@ -46,6 +54,12 @@ const LOOP_GET_STATUS64: libc::Ioctl = 0x4C05;
 const LOOP_SET_CAPACITY: libc::Ioctl = 0x4C07;
 const LOOP_CONFIGURE: libc::Ioctl = 0x4C0A;
 const LOOP_CTL_GET_FREE: libc::Ioctl = 0x4C82;
+
+/// The logical block size of every loop device [`attach`] binds. Part of a volume's identity:
+/// the nvmet namespace exports it as its LBA size, and a file system records the sector size
+/// it was made with. 512 is what every device bound without direct I/O has always had, and a
+/// file system made with larger sectors works on it.
+pub const LOGICAL_BLOCK_SIZE: u32 = 512;
 
 /// How many free indices [`attach`] tries before giving up on `EBUSY` races.
 const ATTACH_ATTEMPTS: usize = 16;
@@ -188,9 +202,11 @@ pub fn supports_direct_io(path: &Path) -> bool {
     file.read_at(aligned, 0).is_ok()
 }
 
-/// Asks for direct I/O when `want_direct_io` is set and binds without it if the kernel
-/// refuses the flag with `EINVAL`. Never sets `LO_FLAGS_AUTOCLEAR`. Retries with a fresh index
-/// when another process binds the offered device first (`EBUSY`).
+/// Binds with a logical block size of [`LOGICAL_BLOCK_SIZE`], whatever the backing file, and
+/// confirms it in sysfs (a device with any other size is unbound again and the call fails).
+/// Asks for direct I/O when `want_direct_io` is set and binds without it (at the same block
+/// size) if the kernel refuses the flag with `EINVAL`. Never sets `LO_FLAGS_AUTOCLEAR`.
+/// Retries with a fresh index when another process binds the offered device first (`EBUSY`).
 pub fn attach(backing: &File, name: &Path, want_direct_io: bool) -> Result<Attached, LoopError> {
     let control = open_rw(Path::new(LOOP_CONTROL), 0).map_err(step("open /dev/loop-control"))?;
     let backing_fd = u32::try_from(backing.as_raw_fd()).map_err(|_| LoopError {
@@ -215,12 +231,15 @@ pub fn attach(backing: &File, name: &Path, want_direct_io: bool) -> Result<Attac
             info.lo_flags = flags;
             let config = LoopConfig {
                 fd: backing_fd,
-                block_size: 0, // the kernel's default for the backing file
+                // Never 0 (the kernel's choice, which follows direct I/O and the backing file).
+                block_size: LOGICAL_BLOCK_SIZE,
                 info,
                 reserved: [0; 8],
             };
             match configure(&device, &config) {
                 Ok(()) => {
+                    drop(device);
+                    confirm_block_size(index)?;
                     // What sysfs reports, not what was asked: a kernel may also fall back to
                     // buffered I/O silently.
                     return Ok(Attached {
@@ -247,6 +266,46 @@ pub fn attach(backing: &File, name: &Path, want_direct_io: bool) -> Result<Attac
     Err(LoopError {
         step: "LOOP_CONFIGURE (every free device was taken by someone else)",
         source: last_busy.unwrap_or_else(|| io::Error::from_raw_os_error(libc::EBUSY)),
+    })
+}
+
+/// Fails (after unbinding the device again, so that nothing finds and exports it) unless
+/// loop device `index`, just bound, has a logical block size of [`LOGICAL_BLOCK_SIZE`].
+fn confirm_block_size(index: u32) -> Result<(), LoopError> {
+    let wrong = match logical_block_size(index) {
+        Ok(LOGICAL_BLOCK_SIZE) => return Ok(()),
+        Ok(size) => LoopError {
+            step: "check the logical block size of the bound loop device",
+            source: io::Error::other(format!(
+                "the kernel bound /dev/loop{index} with {size}-byte sectors, not \
+                 {LOGICAL_BLOCK_SIZE}: refusing a device whose LBA size differs from the volume's"
+            )),
+        },
+        Err(e) => e,
+    };
+    match detach(index, Duration::from_secs(2)) {
+        Ok(Detach::Done | Detach::NotBound) => {}
+        Ok(outcome) => {
+            tracing::warn!(
+                index,
+                ?outcome,
+                "could not unbind a loop device with the wrong block size"
+            );
+        }
+        Err(e) => {
+            tracing::warn!(index, error = %e, "could not unbind a loop device with the wrong block size");
+        }
+    }
+    Err(wrong)
+}
+
+/// The logical block size of loop device `index` (sysfs `queue/logical_block_size`).
+pub fn logical_block_size(index: u32) -> Result<u32, LoopError> {
+    let text = fs::read_to_string(sysfs_dir(index).join("queue/logical_block_size"))
+        .map_err(step("read /sys/block/loopN/queue/logical_block_size"))?;
+    text.trim().parse().map_err(|_| LoopError {
+        step: "parse /sys/block/loopN/queue/logical_block_size",
+        source: io::Error::new(io::ErrorKind::InvalidData, text.trim().to_owned()),
     })
 }
 
@@ -401,6 +460,7 @@ pub fn detach(index: u32, wait: Duration) -> Result<Detach, LoopError> {
 }
 
 /// Whether loop device `index` is bound to a file (its sysfs `loop/` directory exists).
+#[cfg(any(test, feature = "test-seams"))]
 pub fn is_bound(index: u32) -> bool {
     sysfs_dir(index).join("loop").exists()
 }

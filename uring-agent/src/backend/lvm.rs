@@ -24,7 +24,7 @@ use serde::Deserialize;
 
 use super::command::CommandRunner;
 use super::{
-    BackendError, Capacity, ContentSource, SnapshotInfo, VolumeInfo, checked_size, round_up,
+    BackendError, Capacity, ContentSource, SnapshotInfo, VolumeInfo, checked_size,
     wait_for_device,
 };
 
@@ -408,6 +408,7 @@ impl LvmBackend {
     /// The same backend waiting up to `wait` for device nodes to appear after creating or
     /// activating an LV (`None`: do not check; for tests with a fake runner).
     #[must_use]
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn with_device_wait(mut self, wait: Option<Duration>) -> Self {
         self.device_wait = wait;
         self
@@ -431,8 +432,9 @@ impl LvmBackend {
     }
 
     /// `size_bytes` rounded up to a multiple of the extent size.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn round_size(&self, size_bytes: u64) -> u64 {
-        round_up(size_bytes, self.extent_size())
+        super::round_up(size_bytes, self.extent_size())
     }
 
     /// Reads the VG (caching its extent size) and, for thin, the thin pool; returns the

@@ -40,9 +40,9 @@ use std::time::Duration;
 
 use pillar_nvmet::VolumeId;
 
-pub use command::{
-    CommandError, CommandOutput, CommandRunner, Reply, ScriptedRunner, SystemRunner,
-};
+pub use command::{CommandError, CommandRunner, SystemRunner};
+#[cfg(any(test, feature = "test-seams"))]
+pub use command::{CommandOutput, Reply, ScriptedRunner};
 pub use copy::CopyPolicy;
 pub use file::FileBackend;
 pub use lvm::LvmBackend;
@@ -310,6 +310,7 @@ impl Backend {
     /// The size the backend allocates for a request of `size_bytes`: the next multiple of its
     /// granularity. For LVM the granularity is the VG's extent size once known (after
     /// [`probe`](Self::probe) or any create, expand or capacity call), 4 MiB before.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn round_size(&self, size_bytes: u64) -> u64 {
         match self {
             Self::File(b) => b.round_size(size_bytes),

@@ -19,7 +19,7 @@ use pillar_nvmet::VolumeId;
 
 use super::{
     BackendError, Capacity, ContentSource, CopyInto, CopyPolicy, MIB, SnapshotInfo, VolumeInfo,
-    checked_size, copy, round_up,
+    checked_size, copy,
 };
 
 /// Sparse files exported directly.
@@ -53,8 +53,9 @@ impl PlainFileBackend {
     }
 
     /// Allocation granularity: 1 MiB.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn round_size(&self, size_bytes: u64) -> u64 {
-        round_up(size_bytes, MIB)
+        super::round_up(size_bytes, MIB)
     }
 
     fn path(&self, volume: &VolumeId) -> PathBuf {

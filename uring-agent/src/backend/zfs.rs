@@ -22,7 +22,7 @@ use pillar_nvmet::VolumeId;
 
 use super::command::{CommandError, CommandRunner};
 use super::{
-    BackendError, Capacity, ContentSource, SnapshotInfo, VolumeInfo, checked_size, round_up,
+    BackendError, Capacity, ContentSource, SnapshotInfo, VolumeInfo, checked_size,
     wait_for_device,
 };
 
@@ -464,14 +464,16 @@ impl ZfsBackend {
     /// The same backend waiting up to `wait` for `/dev/zvol/...` to appear after a create
     /// (`None`: do not check; for tests with a fake runner).
     #[must_use]
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn with_device_wait(mut self, wait: Option<Duration>) -> Self {
         self.device_wait = wait;
         self
     }
 
     /// `size_bytes` rounded up to a multiple of 16 KiB.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn round_size(&self, size_bytes: u64) -> u64 {
-        round_up(size_bytes, GRANULARITY)
+        super::round_up(size_bytes, GRANULARITY)
     }
 
     pub async fn create(

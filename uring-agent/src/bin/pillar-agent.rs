@@ -4,10 +4,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use pillar_agent::AgentSettings;
+use pillar_agent::TargetConfig;
 use pillar_agent::cli::{Args, TargetKind};
-use pillar_agent::server::{ServerConfig, TlsFiles, serve_with_limits};
-use pillar_agent::service::AgentSettings;
-use pillar_agent::target::TargetConfig;
+use pillar_agent::{ServerConfig, TlsFiles, serve_with_limits};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -176,6 +176,7 @@ impl EngineStats {
     }
 
     /// The syscalls the io_uring engine made, as (`io_uring_enter` calls, eventfd writes).
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn syscalls(&self) -> (u64, u64) {
         (
             self.enters.load(Ordering::Relaxed),
@@ -184,6 +185,7 @@ impl EngineStats {
     }
 
     /// A point-in-time copy.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn snapshot(&self) -> [u64; 5] {
         [
             self.submissions.load(Ordering::Relaxed),
@@ -222,6 +224,7 @@ impl Engine {
     }
 
     /// Counters of this engine.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn stats(&self) -> &EngineStats {
         match self {
             Self::Uring(e) => e.stats(),

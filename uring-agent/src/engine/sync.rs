@@ -37,6 +37,7 @@ impl SyncEngine {
         }
     }
 
+    #[cfg(any(test, feature = "test-seams"))]
     pub(super) fn stats(&self) -> &EngineStats {
         &self.stats
     }

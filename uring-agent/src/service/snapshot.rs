@@ -38,14 +38,17 @@ impl Agent {
         let backend = self.pool(pool)?;
         // Refused before any lock or mark when the pool takes no snapshots at all.
         backend.snapshots_supported()?;
+        self.ensure_not_lost().await?;
         let _source = self.lock_volume(source).await;
         let _snapshot = self.snapshot_locks.lock(snapshot.clone()).await;
-        let decision = self.check_in(
-            &self.snapshot_marks,
-            snapshot,
-            token.as_ref(),
-            Intent::Create,
-        )?;
+        let decision = self
+            .check_in(
+                &self.snapshot_marks,
+                snapshot,
+                token.as_ref(),
+                Intent::Create,
+            )
+            .await?;
         if backend.lookup_snapshot(snapshot).await?.is_some() {
             match self.snapshot_marks.read(snapshot)? {
                 // This lifecycle's retry: its mark was written before the cut; a newer token
@@ -88,13 +91,24 @@ impl Agent {
         pool: &str,
     ) -> Result<(), AgentError> {
         let backend = self.pool(pool)?;
+        self.ensure_not_lost().await?;
         let _snapshot = self.snapshot_locks.lock(snapshot.clone()).await;
-        let decision = self.check_in(
-            &self.snapshot_marks,
-            snapshot,
-            token.as_ref(),
-            Intent::Delete,
-        )?;
+        let decision = self
+            .check_in(
+                &self.snapshot_marks,
+                snapshot,
+                token.as_ref(),
+                Intent::Delete,
+            )
+            .await?;
+        if self.snapshot_marks.read(snapshot)?.is_none()
+            && backend.lookup_snapshot(snapshot).await?.is_some()
+        {
+            // C6: a snapshot without a mark lost it; no token can be judged against it.
+            return Err(AgentError::Unclaimed {
+                volume: snapshot.to_string(),
+            });
+        }
         self.commit_in(&self.snapshot_marks, snapshot, decision)
             .await?;
         Ok(backend.delete_snapshot(snapshot).await?)
@@ -122,6 +136,7 @@ impl Agent {
         }
         // Refused before any lock or mark when the pool takes no snapshots at all.
         backend.snapshots_supported()?;
+        self.ensure_not_lost().await?;
         // Volume locks in ID order, then the snapshot's.
         let (_first, _second, _snapshot) = match source {
             ContentSource::Volume(id) => {
@@ -142,7 +157,7 @@ impl Agent {
                 )
             }
         };
-        let decision = self.check(volume, token.as_ref(), Intent::Create)?;
+        let decision = self.check(volume, token.as_ref(), Intent::Create).await?;
         // A snapshot is never written: any copy of it is one point in time.
         let mut policy = CopyPolicy::AnyWay;
         if backend.lookup(volume).await?.is_none() {

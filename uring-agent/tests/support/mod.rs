@@ -7,11 +7,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use pillar_agent::backend::{PoolConfig, PoolKind};
-use pillar_agent::hooks::Hooks;
-use pillar_agent::server::{EngineKind, Listen, ServerConfig, serve};
-use pillar_agent::service::AgentSettings;
-use pillar_agent::target::TargetConfig;
+use pillar_agent::AgentSettings;
+use pillar_agent::Hooks;
+use pillar_agent::TargetConfig;
+use pillar_agent::{EngineKind, Listen, ServerConfig, serve};
+use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::v1::agent_client::AgentClient;
 use tokio::net::UnixStream;
@@ -176,7 +176,10 @@ impl Agent {
     /// Sends an empty resync: the agent starts serving.
     pub async fn serve_now(&mut self) {
         self.client
-            .resync_exports(api::ResyncExportsRequest { exports: vec![] })
+            .resync_exports(api::ResyncExportsRequest {
+                exports: vec![],
+                ..Default::default()
+            })
             .await
             .unwrap();
     }

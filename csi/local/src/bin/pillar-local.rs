@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Parser;
-use pillar_agent::server::EngineKind;
+use pillar_agent::EngineKind;
 use pillar_local::{LocalConfig, start};
 
 #[derive(Debug, Parser)]

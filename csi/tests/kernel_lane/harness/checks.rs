@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use pillar_agent_api::v1 as agent_api;
 use pillar_csi::csi;
 use pillar_host::ConnectOptions;
-use pillar_host::sysfs::{NamespaceDevice, controllers_for, namespaces_for_host};
+use pillar_host::{NamespaceDevice, controllers_for, namespaces_for_host};
 use pillar_nvmet::{HostNqn, derive_serial};
 
 use crate::harness::lab::{NodePlugin, Staged, host_paths, identity_of, nqn_of};

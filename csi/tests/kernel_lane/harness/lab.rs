@@ -13,7 +13,7 @@ use pillar_csi::csi::controller_client::ControllerClient;
 use pillar_csi::csi::node_client::NodeClient;
 use pillar_csi::csi::volume_capability::access_mode::Mode;
 use pillar_host::HostPaths;
-use pillar_host::sysfs::NamespaceDevice;
+use pillar_host::NamespaceDevice;
 use pillar_nvmet::{HostNqn, NamespaceId, NamespaceIdentity, SubsystemNqn, VolumeId};
 use pillar_state::EmbeddedStore;
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};

@@ -39,6 +39,7 @@ impl Admission {
     }
 
     /// Requests held now.
+    #[cfg(any(test, feature = "test-seams"))]
     pub(super) fn held(&self) -> usize {
         self.held.load(Ordering::Acquire)
     }

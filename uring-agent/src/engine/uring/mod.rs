@@ -53,6 +53,7 @@ use std::thread::JoinHandle;
 use pillar_nvmet::Op;
 use tokio::sync::oneshot;
 
+#[cfg(any(test, feature = "test-seams"))]
 pub use chain::MAX_OPS_PER_CHAIN;
 
 use super::{BatchObserver, DurableDir, EngineError, EngineStats, FaultInjection};
@@ -108,6 +109,7 @@ pub struct IntakeGate {
 
 impl IntakeGate {
     /// Lets the ring thread go on.
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn open(&self) {
         *self.open.lock().unwrap_or_else(PoisonError::into_inner) = true;
         self.changed.notify_all();
@@ -127,6 +129,7 @@ impl IntakeGate {
 impl UringConfig {
     /// Holds at most `limit` requests at once (at least 1); [`MAX_QUEUED`] by default.
     #[must_use]
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn with_queue_limit(mut self, limit: usize) -> Self {
         self.queue_limit = limit.max(1);
         self
@@ -265,11 +268,13 @@ impl UringEngine {
         })
     }
 
+    #[cfg(any(test, feature = "test-seams"))]
     pub(super) fn stats(&self) -> &EngineStats {
         &self.stats
     }
 
     /// Requests the engine holds now (sent to the ring thread and not yet answered).
+    #[cfg(any(test, feature = "test-seams"))]
     pub fn queued(&self) -> usize {
         self.admission.held()
     }
