@@ -1,7 +1,7 @@
 //! Records pillar reads back from its own disk, where a crash, a full disk or an operator can
 //! leave any bytes: the agent's fencing mark (`pillar_agent::fence`, also the format of the
 //! snapshots' marks), the agent's identity record (`IdentityRecord`) and the node plugin's
-//! stage record (`pillar_host::stage`).
+//! stage record (`pillar_host`).
 //!
 //! The first input byte chooses the record; the rest is the file. Properties:
 //! - Decoding arbitrary bytes never panics; a value it yields is valid (the fencing mark
@@ -13,7 +13,7 @@
 
 use pillar_agent::fence::{self, Mark};
 use pillar_agent::target::IdentityRecord;
-use pillar_host::stage::fuzzing as stage;
+use pillar_host::stage_fuzzing as stage;
 use pillar_nvmet::{HostNqn, Serial, SubsystemNqn, VolumeId};
 
 /// The volume the fencing marks are read for.

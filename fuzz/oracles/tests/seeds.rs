@@ -162,6 +162,7 @@ fn agent_requests() {
                 ..export()
             },
         ],
+        state_epoch: "0b4c1f8e-3c2a-4d7e-9f10-2a6b5c8d9e01".into(),
     };
     write("agent_request", "resync", &with(6, &resync.encode_to_vec()));
 }
