@@ -153,7 +153,7 @@ pub struct VolumeStats {
 }
 
 /// Opens `dev` read-only and checks it is a block device.
-fn open_block_device(dev: &Path) -> Result<(File, u64), HostError> {
+pub(crate) fn open_block_device(dev: &Path) -> Result<(File, u64), HostError> {
     let file = File::open(dev).map_err(|source| HostError::Device {
         path: dev.to_path_buf(),
         source,
