@@ -101,6 +101,38 @@ pub(crate) fn failed(program: &str, args: &[&OsStr], out: &Output) -> HostError 
 }
 
 /// Reads at most `cap` bytes of `pipe`, then drops it (the child's next write fails with EPIPE).
+/// Most lines of a tool's own error kept by [`failed_briefly`].
+const BRIEF_LINES: usize = 3;
+
+/// Like [`failed`], but keeps only the tool's first error lines: those before its usage text
+/// (mkfs.xfs prints one line of error and then 28 lines of usage), at most [`BRIEF_LINES`],
+/// joined on one line. The whole text stays in the debug log.
+pub(crate) fn failed_briefly(program: &str, args: &[&OsStr], out: &Output) -> HostError {
+    let mut err = failed(program, args, out);
+    if let HostError::CommandFailed { stderr, .. } = &mut err {
+        tracing::debug!(program, output = %stderr, "tool failed");
+        *stderr = first_error_lines(stderr);
+    }
+    err
+}
+
+/// The non-empty lines before a line starting `Usage:`, at most [`BRIEF_LINES`], joined by
+/// "; "; the first line when the text starts with the usage.
+fn first_error_lines(text: &str) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:"))
+        .filter(|l| !l.is_empty())
+        .take(BRIEF_LINES)
+        .collect();
+    if lines.is_empty() {
+        text.lines().next().unwrap_or_default().trim().to_owned()
+    } else {
+        lines.join("; ")
+    }
+}
+
 fn drain<R: Read + Send + 'static>(pipe: Option<R>, cap: u64) -> thread::JoinHandle<String> {
     thread::spawn(move || {
         let mut buf = Vec::new();
@@ -178,6 +210,18 @@ mod tests {
             HostError::CommandFailed { stderr, .. } => assert_eq!(stderr, "boom"),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn brief_errors_stop_before_the_usage() {
+        let mkfs_xfs = "Filesystem must be larger than 300MB.\nUsage: mkfs.xfs\n/* blocksize */\t\t[-b size=num]\n";
+        assert_eq!(
+            first_error_lines(mkfs_xfs),
+            "Filesystem must be larger than 300MB."
+        );
+        assert_eq!(first_error_lines("a\n\nb\nc\nd\ne"), "a; b; c");
+        assert_eq!(first_error_lines("Usage: x\n-y"), "Usage: x");
+        assert_eq!(first_error_lines(""), "");
     }
 
     #[test]

@@ -40,9 +40,9 @@ use std::path::{Path, PathBuf};
 pub use error::{ErrorClass, HostError, StageRecordError};
 pub use fabrics::{ConnectOptions, Controller, connect};
 pub use fs::{
-    Formatted, FsType, Probe, Signature, VolumeStats, bind_mount, block_device_size, find_mount,
-    format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank, unmount,
-    volume_stats,
+    Formatted, FsType, Probe, Signature, VolumeStats, XFS_MIN_BYTES, bind_mount, block_device_size,
+    find_mount, format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank,
+    unmount, volume_stats,
 };
 pub use journal::log_needs_recovery;
 pub use mountinfo::MountEntry;

@@ -565,3 +565,25 @@ fn a_log_check_of_something_else_is_an_error_not_clean() {
         Err(HostError::NotBlockDevice { .. })
     ));
 }
+
+// Issue 21, defect 2: mkfs.xfs on a device under its minimum prints one error line and then its
+// whole usage text; the error carries the first, not the usage (it reaches the CO as the gRPC
+// message of NodeStage). On the old code the message held the 28-line usage.
+#[test]
+fn a_failed_mkfs_reports_its_error_line_not_its_usage() {
+    let lo = LoopDevice::new(64 * MIB);
+    match format_if_blank(&lo.dev, FsType::Xfs, &[]) {
+        Err(HostError::CommandFailed {
+            program, stderr, ..
+        }) => {
+            assert_eq!(program, "mkfs.xfs");
+            assert!(stderr.contains("must be larger than 300MB"), "{stderr}");
+            assert!(
+                !stderr.contains("Usage") && !stderr.contains('\n'),
+                "{stderr}"
+            );
+        }
+        other => panic!("expected mkfs.xfs to refuse a 64 MiB device, got {other:?}"),
+    }
+    assert!(probe_blank(&lo.dev).unwrap());
+}
