@@ -733,9 +733,11 @@ fn device_digest(dev: &std::path::Path) -> u64 {
 }
 
 // proves N5: a read-only publication (READ_ONLY in the publish context, on a multi-node
-// single-writer volume) stages read-only on every node: two node plugins stage the same ext4
-// whose journal asks for recovery, neither replays it (the device's bytes do not change), writes
-// fail with EROFS, and a blank device is refused rather than formatted.
+// single-writer volume) stages read-only on every node: an ext4 whose journal asks for recovery
+// is refused on both (FAILED_PRECONDITION, failing closed: a stage without the replay would show
+// stale data, issue 21) without a byte written; once clean, two node plugins stage it, neither
+// writes to it (the device's bytes do not change), writes fail with EROFS, and a blank device is
+// refused rather than formatted.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_read_only_publication_stages_read_only_and_never_writes_the_device() {
     let lo = LoopDevice::new(SIZE);
@@ -772,6 +774,37 @@ async fn a_read_only_publication_stages_read_only_and_never_writes_the_device() 
         let mut ctx = local_ctx(vol, dev);
         ctx.insert(context::READ_ONLY.into(), "true".into());
         let (staging, guard) = h.path("staging");
+        assert_code(
+            h.stage(vol, &staging, writer.clone(), ctx.clone()).await,
+            Code::FailedPrecondition,
+        );
+        assert!(mount_at(&staging).is_none());
+        stagings.push((staging, guard));
+    }
+    nix_sync();
+    assert_eq!(
+        device_digest(&lo.dev),
+        before,
+        "a refused read-only stage wrote"
+    );
+    // The journal is empty: clearing the flag makes the filesystem clean as it stands.
+    let st = std::process::Command::new("debugfs")
+        .args(["-w", "-R", "feature -needs_recovery"])
+        .arg(&lo.dev)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    nix_sync();
+    let before = device_digest(&lo.dev);
+
+    for (h, (dev, (staging, _))) in nodes
+        .iter()
+        .zip([&lo.dev, &other.dev].iter().zip(&stagings))
+    {
+        let mut ctx = local_ctx(vol, dev);
+        ctx.insert(context::READ_ONLY.into(), "true".into());
+        let staging = staging.clone();
         h.stage(vol, &staging, writer.clone(), ctx.clone())
             .await
             .unwrap();
@@ -789,7 +822,6 @@ async fn a_read_only_publication_stages_read_only_and_never_writes_the_device() 
                 .await,
             Code::AlreadyExists,
         );
-        stagings.push((staging, guard));
     }
     for (h, (staging, _)) in nodes.iter().zip(&stagings) {
         h.unstage(vol, staging).await.unwrap();

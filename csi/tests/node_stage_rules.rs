@@ -1,6 +1,7 @@
 //! NodeStageVolume on real loop devices, for what a stage must tell apart (issue 22): two
 //! copies of one XFS (a clone or a restore next to its source) stage side by side, and a
-//! read-only stage never accepts a read-write mount found at its staging path.
+//! read-only stage never accepts a read-write mount found at its staging path; a read-only stage
+//! of a filesystem whose log needs recovery is refused (issue 21).
 //!
 //! Needs root and loop devices; see `node_support`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -8,6 +9,8 @@
 mod node_support;
 
 use std::fs;
+use std::path::Path;
+use std::process::Command;
 
 use node_support::{Harness, LoopDevice, SIZE, local_ctx, mount_at, mount_cap};
 use pillar_csi::context;
@@ -122,4 +125,101 @@ async fn a_read_only_stage_never_accepts_a_read_write_mount() {
         .unwrap();
     h.unstage(vol, &staging).await.unwrap();
     assert!(mount_at(&staging).is_none());
+}
+
+/// Whether two files hold the same bytes.
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    Command::new("cmp")
+        .arg("-s")
+        .arg(a)
+        .arg(b)
+        .status()
+        .unwrap()
+        .success()
+}
+
+// Issue 21, defect 1 (proves N5 and fails closed, C): a restore of a snapshot of a mounted
+// filesystem has a log holding the last fsynced changes. A read-only stage never replays a log
+// (N5), so it mounted the filesystem as of its last checkpoint: the fsynced file was missing,
+// silently. Now the read-only stage is refused (FAILED_PRECONDITION naming the volume and the
+// remedy) without writing to the device; once the restore is staged read-write on one node (the
+// log replayed) and unstaged, the read-only stage shows the file. On the old code the read-only
+// stage answered OK and the file was absent (ext4 and xfs alike).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_read_only_stage_of_a_log_that_needs_recovery_is_refused() {
+    const DATA: usize = 4 << 20;
+    for fs_type in ["ext4", "xfs"] {
+        let source = LoopDevice::new(SIZE);
+        let h = Harness::local().await;
+        let (staging, _g) = h.path("staging-source");
+        h.stage(
+            "pvc-src",
+            &staging,
+            mount_cap(fs_type),
+            local_ctx("pvc-src", &source.dev),
+        )
+        .await
+        .unwrap();
+        let mut f = fs::File::create(staging.join("fsynced")).unwrap();
+        std::io::Write::write_all(&mut f, &vec![0xa5u8; DATA]).unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        // The snapshot: the device's bytes while the filesystem is mounted.
+        let restore = source.copy();
+        h.unstage("pvc-src", &staging).await.unwrap();
+
+        let vol = "pvc-restore";
+        let (ro_staging, _gr) = h.path("staging-restore");
+        let mut ro = local_ctx(vol, &restore.dev);
+        ro.insert(context::READ_ONLY.into(), "true".into());
+        let untouched = restore.copy();
+        let err = h
+            .stage(vol, &ro_staging, mount_cap(fs_type), ro.clone())
+            .await
+            .expect_err("a read-only stage of a log that needs recovery must be refused");
+        assert_eq!(
+            err.code(),
+            tonic::Code::FailedPrecondition,
+            "{fs_type}: {err:?}"
+        );
+        let msg = err.message();
+        assert!(
+            msg.contains(vol) && msg.contains("read-write") && msg.contains("recovery"),
+            "{fs_type}: {msg}"
+        );
+        assert!(mount_at(&ro_staging).is_none(), "{fs_type}");
+        assert!(
+            same_bytes(&restore.backing, &untouched.backing),
+            "{fs_type}: the refused read-only stage wrote to the device"
+        );
+        drop(untouched);
+
+        // The remedy: one read-write stage replays the log.
+        let (rw_staging, _gw) = h.path("staging-restore-rw");
+        h.unstage(vol, &ro_staging).await.unwrap();
+        h.stage(
+            vol,
+            &rw_staging,
+            mount_cap(fs_type),
+            local_ctx(vol, &restore.dev),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            fs::metadata(rw_staging.join("fsynced")).unwrap().len(),
+            DATA as u64
+        );
+        h.unstage(vol, &rw_staging).await.unwrap();
+        h.stage(vol, &ro_staging, mount_cap(fs_type), ro)
+            .await
+            .unwrap_or_else(|e| panic!("{fs_type}: {e:?}"));
+        let (_, options) = mount_at(&ro_staging).unwrap();
+        assert!(options.split(',').any(|o| o == "ro"), "{options}");
+        assert_eq!(
+            fs::read(ro_staging.join("fsynced")).unwrap(),
+            vec![0xa5u8; DATA],
+            "{fs_type}"
+        );
+        h.unstage(vol, &ro_staging).await.unwrap();
+    }
 }

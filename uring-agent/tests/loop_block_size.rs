@@ -53,7 +53,10 @@ impl Xfs {
 impl Drop for Xfs {
     fn drop(&mut self) {
         if let Ok(bindings) = loopdev::bindings() {
-            for b in bindings.iter().filter(|b| b.backing_file.starts_with(&self.mnt)) {
+            for b in bindings
+                .iter()
+                .filter(|b| b.backing_file.starts_with(&self.mnt))
+            {
                 let _ = loopdev::detach(b.index, Duration::from_secs(2));
             }
         }
@@ -125,7 +128,11 @@ async fn a_file_pool_loop_device_keeps_512_byte_sectors_through_reflink_copies_a
     let source = backend.create(&v, 16 * MIB).await.unwrap();
     assert_eq!(logical_block_size(&source), "512", "fresh volume");
     // Direct I/O stays on where the kernel accepts it at 512 bytes.
-    assert_eq!(queue_attr(&source, "loop/dio"), "1", "fresh volume's direct I/O");
+    assert_eq!(
+        queue_attr(&source, "loop/dio"),
+        "1",
+        "fresh volume's direct I/O"
+    );
     let data = vec![0x5a; 4096];
     let file = OpenOptions::new()
         .write(true)
@@ -182,7 +189,12 @@ async fn a_file_pool_loop_device_keeps_512_byte_sectors_through_reflink_copies_a
     let listed = restarted.list().await.unwrap();
     assert_eq!(listed.len(), 3);
     for info in &listed {
-        assert_eq!(logical_block_size(info), "512", "{} after restart", info.volume);
+        assert_eq!(
+            logical_block_size(info),
+            "512",
+            "{} after restart",
+            info.volume
+        );
         assert_eq!(read_device(info, data.len()), data);
     }
 }

@@ -153,6 +153,12 @@ pub enum HostError {
         found: Signature,
         requested: FsType,
     },
+    #[error("cannot tell whether the {fs} log on {device:?} needs recovery: {detail}")]
+    LogState {
+        device: PathBuf,
+        fs: FsType,
+        detail: String,
+    },
     #[error("after mkfs, {device:?} holds {found:?} instead of {requested}")]
     FormatNotVisible {
         device: PathBuf,
@@ -271,6 +277,7 @@ impl HostError {
             | Self::CommandFailed { .. }
             | Self::Probe { .. }
             | Self::FormatNotVisible { .. }
+            | Self::LogState { .. }
             | Self::ReadonlyRemount { .. }
             | Self::ReadMountInfo { .. }
             | Self::ParseMountInfo { .. }

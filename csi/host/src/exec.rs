@@ -19,10 +19,25 @@ pub(crate) struct Output {
 
 /// Longest stderr kept in an error message.
 const STDERR_KEEP: usize = 4096;
+/// Most stderr read from a child (bounded memory whatever the tool prints).
+const STDERR_READ: u64 = 1 << 20;
 
 /// Runs `program args...` and waits at most `timeout`. A non-zero exit is not an error here:
 /// callers that care use [`run_ok`] or look at the status themselves.
 pub(crate) fn run(program: &str, args: &[&OsStr], timeout: Duration) -> Result<Output, HostError> {
+    run_capped(program, args, timeout, u64::MAX)
+}
+
+/// Like [`run`], but keeps at most `stdout_cap` bytes of stdout and then closes the pipe: a tool
+/// whose answer comes first and whose output can be as large as the device (a log dump) is
+/// ended by SIGPIPE instead of filling memory. Its exit status then says so; the caller decides
+/// from what it kept.
+pub(crate) fn run_capped(
+    program: &str,
+    args: &[&OsStr],
+    timeout: Duration,
+    stdout_cap: u64,
+) -> Result<Output, HostError> {
     tracing::debug!(program, ?args, "running");
     let mut child = Command::new(program)
         .args(args)
@@ -36,8 +51,8 @@ pub(crate) fn run(program: &str, args: &[&OsStr], timeout: Duration) -> Result<O
             source,
         })?;
     // Drain both pipes on their own threads so a chatty child never blocks on a full pipe.
-    let stdout = drain(child.stdout.take());
-    let stderr = drain(child.stderr.take());
+    let stdout = drain(child.stdout.take(), stdout_cap);
+    let stderr = drain(child.stderr.take(), STDERR_READ);
     let status = wait_with_deadline(&mut child, program, timeout)?;
     Ok(Output {
         status,
@@ -85,12 +100,45 @@ pub(crate) fn failed(program: &str, args: &[&OsStr], out: &Output) -> HostError 
     }
 }
 
-fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> thread::JoinHandle<String> {
+/// Reads at most `cap` bytes of `pipe`, then drops it (the child's next write fails with EPIPE).
+/// Most lines of a tool's own error kept by [`failed_briefly`].
+const BRIEF_LINES: usize = 3;
+
+/// Like [`failed`], but keeps only the tool's first error lines: those before its usage text
+/// (mkfs.xfs prints one line of error and then 28 lines of usage), at most [`BRIEF_LINES`],
+/// joined on one line. The whole text stays in the debug log.
+pub(crate) fn failed_briefly(program: &str, args: &[&OsStr], out: &Output) -> HostError {
+    let mut err = failed(program, args, out);
+    if let HostError::CommandFailed { stderr, .. } = &mut err {
+        tracing::debug!(program, output = %stderr, "tool failed");
+        *stderr = first_error_lines(stderr);
+    }
+    err
+}
+
+/// The non-empty lines before a line starting `Usage:`, at most [`BRIEF_LINES`], joined by
+/// "; "; the first line when the text starts with the usage.
+fn first_error_lines(text: &str) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:"))
+        .filter(|l| !l.is_empty())
+        .take(BRIEF_LINES)
+        .collect();
+    if lines.is_empty() {
+        text.lines().next().unwrap_or_default().trim().to_owned()
+    } else {
+        lines.join("; ")
+    }
+}
+
+fn drain<R: Read + Send + 'static>(pipe: Option<R>, cap: u64) -> thread::JoinHandle<String> {
     thread::spawn(move || {
         let mut buf = Vec::new();
-        if let Some(mut pipe) = pipe {
+        if let Some(pipe) = pipe {
             // A read error only loses diagnostics; the exit status still decides.
-            let _ = pipe.read_to_end(&mut buf);
+            let _ = pipe.take(cap).read_to_end(&mut buf);
         }
         String::from_utf8_lossy(&buf).into_owned()
     })
@@ -162,6 +210,18 @@ mod tests {
             HostError::CommandFailed { stderr, .. } => assert_eq!(stderr, "boom"),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn brief_errors_stop_before_the_usage() {
+        let mkfs_xfs = "Filesystem must be larger than 300MB.\nUsage: mkfs.xfs\n/* blocksize */\t\t[-b size=num]\n";
+        assert_eq!(
+            first_error_lines(mkfs_xfs),
+            "Filesystem must be larger than 300MB."
+        );
+        assert_eq!(first_error_lines("a\n\nb\nc\nd\ne"), "a; b; c");
+        assert_eq!(first_error_lines("Usage: x\n-y"), "Usage: x");
+        assert_eq!(first_error_lines(""), "");
     }
 
     #[test]

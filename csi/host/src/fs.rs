@@ -39,6 +39,9 @@ const MAX_UNMOUNTS: u32 = 16;
 const BUSY_RETRIES: u32 = 10;
 const BUSY_PAUSE: Duration = Duration::from_millis(50);
 
+/// mkfs.xfs's minimum filesystem size: 300 MiB.
+pub const XFS_MIN_BYTES: u64 = 300 << 20;
+
 /// A filesystem pillar can create.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -153,7 +156,7 @@ pub struct VolumeStats {
 }
 
 /// Opens `dev` read-only and checks it is a block device.
-fn open_block_device(dev: &Path) -> Result<(File, u64), HostError> {
+pub(crate) fn open_block_device(dev: &Path) -> Result<(File, u64), HostError> {
     let file = File::open(dev).map_err(|source| HostError::Device {
         path: dev.to_path_buf(),
         source,
@@ -329,6 +332,16 @@ impl FsType {
         }
     }
 
+    /// The smallest device mkfs makes this filesystem on, where pillar enforces one: mkfs.xfs
+    /// refuses a data section under 300 MiB ("Filesystem must be larger than 300MB"; exactly
+    /// 300 MiB is accepted, 512 bytes less is not: xfsprogs 6.1). ext4 has none here.
+    pub fn min_device_bytes(self) -> Option<u64> {
+        match self {
+            Self::Ext4 => None,
+            Self::Xfs => Some(XFS_MIN_BYTES),
+        }
+    }
+
     /// The mount option that lets this filesystem mount while another copy of it (same
     /// filesystem UUID: a clone or a restore is a byte copy of its source) is mounted on the
     /// node. XFS refuses a second mount of a UUID without `nouuid`; ext4 does not check. The
@@ -412,7 +425,11 @@ pub fn mkfs(dev: &Path, fs: FsType, extra_options: &[String]) -> Result<(), Host
     args.push(OsStr::new("--"));
     args.push(dev.as_os_str());
     tracing::info!(device = %dev.display(), %fs, ?extra_options, "creating filesystem");
-    exec::run_ok(fs.mkfs_program(), &args, MKFS_TIMEOUT)?;
+    let out = exec::run(fs.mkfs_program(), &args, MKFS_TIMEOUT)?;
+    if !out.status.success() {
+        // Its error line, not its usage text: this reaches the CO as NodeStage's message.
+        return Err(exec::failed_briefly(fs.mkfs_program(), &args, &out));
+    }
     match probe(dev)? {
         Probe::Found(sig) if sig.as_fs() == Some(fs) => Ok(()),
         Probe::Found(sig) => Err(HostError::FormatNotVisible {

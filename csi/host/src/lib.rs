@@ -9,6 +9,7 @@
 //! - `sysfs`: find the controllers and namespace block devices of a subsystem, verify a
 //!   namespace's identity (rule N1), disconnect exactly one subsystem's controllers (rule N4).
 //! - `fs`: probe, format only blank devices (rule N3), mount, bind-mount, unmount, grow, stats.
+//! - `journal`: whether a filesystem's log needs recovery, read without writing (rule N5).
 //! - `stage`: durable, atomically replaced stage records (rules N2, C4).
 //! - [`resv`]: NVMe reservations through the passthrough ioctl (rule W9).
 //!
@@ -22,6 +23,7 @@
 mod error;
 mod fabrics;
 mod fs;
+mod journal;
 pub mod mountinfo;
 pub mod resv;
 mod stage;
@@ -38,10 +40,11 @@ use std::path::{Path, PathBuf};
 pub use error::{ErrorClass, HostError, StageRecordError};
 pub use fabrics::{ConnectOptions, Controller, connect};
 pub use fs::{
-    Formatted, FsType, Probe, Signature, VolumeStats, bind_mount, block_device_size, find_mount,
-    format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank, unmount,
-    volume_stats,
+    Formatted, FsType, Probe, Signature, VolumeStats, XFS_MIN_BYTES, bind_mount, block_device_size,
+    find_mount, format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank,
+    unmount, volume_stats,
 };
+pub use journal::log_needs_recovery;
 pub use mountinfo::MountEntry;
 pub use stage::{StageMode, StagePhase, StageRecord, StageStore};
 /// The stage record's codec, for the fuzz targets only (`fuzz/`); not part of the crate's API.

@@ -15,7 +15,8 @@ use std::process::Command;
 use pillar_host::find_mount;
 use pillar_host::{
     Formatted, FsType, HostError, Probe, bind_mount, block_device_size, format_if_blank,
-    grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank, unmount, volume_stats,
+    grow_filesystem, is_mountpoint, log_needs_recovery, mkfs, mount, probe, probe_blank, unmount,
+    volume_stats,
 };
 use tempfile::TempDir;
 
@@ -47,6 +48,11 @@ impl LoopDevice {
         let dir = tempfile::tempdir().unwrap();
         let backing = dir.path().join("backing.img");
         fs::File::create(&backing).unwrap().set_len(size).unwrap();
+        Self::over(backing, dir)
+    }
+
+    /// A loop device over `backing`, a file inside `dir`.
+    fn over(backing: PathBuf, dir: TempDir) -> Self {
         let out = Command::new("losetup")
             .args(["--find", "--show"])
             .arg(&backing)
@@ -66,6 +72,21 @@ impl LoopDevice {
             lo.dev
         );
         lo
+    }
+
+    /// A new loop device over a byte copy of this one's backing file, taken while the
+    /// filesystem may be mounted: what a snapshot of a volume in use is.
+    fn snapshot(&self) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let backing = dir.path().join("backing.img");
+        let st = Command::new("cp")
+            .arg("--sparse=always")
+            .arg(&self.backing)
+            .arg(&backing)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        Self::over(backing, dir)
     }
 
     /// Enlarges the backing file and tells the loop driver (`losetup -c`).
@@ -454,4 +475,115 @@ fn volume_stats_track_usage() {
     );
     assert!(after.inodes_used >= before.inodes_used + 4);
     unmount(&mnt).unwrap();
+}
+
+/// Whether two files hold the same bytes (`cmp`, quick on sparse files where a digest in a
+/// debug build is not).
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    Command::new("cmp")
+        .arg("-s")
+        .arg(a)
+        .arg(b)
+        .status()
+        .unwrap()
+        .success()
+}
+
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("-V")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok()
+}
+
+// proves N5 (and C: failing closed): a byte copy of a mounted filesystem whose last change was
+// fsynced (a snapshot of a volume in use) has a log that needs recovery, and the check finds it
+// without writing a byte; the same filesystem cleanly unmounted, and a fresh one, need none.
+// Before this check a read-only stage mounted such a copy with noload/norecovery and showed it
+// as of its last checkpoint, without the fsynced file.
+#[test]
+fn a_snapshot_of_a_mounted_filesystem_needs_log_recovery() {
+    if !have("xfs_logprint") {
+        eprintln!("SKIPPED: xfs_logprint not found (xfsprogs)");
+        return;
+    }
+    for fs in BOTH {
+        let lo = LoopDevice::new(SIZE);
+        format_if_blank(&lo.dev, fs, &[]).unwrap();
+        assert!(!log_needs_recovery(&lo.dev, fs).unwrap(), "{fs}: fresh");
+        let mnt = lo.dir("mnt");
+        let m = mounted(&lo.dev, &mnt, fs, false);
+        let mut f = fs::File::create(mnt.join("fsynced")).unwrap();
+        f.write_all(&vec![0x5au8; usize::try_from(4 * MIB).unwrap()])
+            .unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        let snap = lo.snapshot();
+        unmount(&mnt).unwrap();
+        drop(m);
+        assert!(!log_needs_recovery(&lo.dev, fs).unwrap(), "{fs}: unmounted");
+
+        let before = lo.dir("before").join("copy.img");
+        let st = Command::new("cp")
+            .arg("--sparse=always")
+            .arg(&snap.backing)
+            .arg(&before)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        assert!(log_needs_recovery(&snap.dev, fs).unwrap(), "{fs}: snapshot");
+        assert!(
+            same_bytes(&snap.backing, &before),
+            "{fs}: the check wrote to the device"
+        );
+    }
+}
+
+#[test]
+fn a_log_check_of_something_else_is_an_error_not_clean() {
+    if !have("xfs_logprint") {
+        eprintln!("SKIPPED: xfs_logprint not found (xfsprogs)");
+        return;
+    }
+    let blank = LoopDevice::new(SIZE);
+    for fs in BOTH {
+        let err = log_needs_recovery(&blank.dev, fs).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                HostError::LogState { .. } | HostError::CommandFailed { .. }
+            ),
+            "{fs}: {err:?}"
+        );
+    }
+    let file = blank.dir("x").join("file");
+    fs::write(&file, vec![0u8; 4096]).unwrap();
+    assert!(matches!(
+        log_needs_recovery(&file, FsType::Xfs),
+        Err(HostError::NotBlockDevice { .. })
+    ));
+}
+
+// Issue 21, defect 2: mkfs.xfs on a device under its minimum prints one error line and then its
+// whole usage text; the error carries the first, not the usage (it reaches the CO as the gRPC
+// message of NodeStage). On the old code the message held the 28-line usage.
+#[test]
+fn a_failed_mkfs_reports_its_error_line_not_its_usage() {
+    let lo = LoopDevice::new(64 * MIB);
+    match format_if_blank(&lo.dev, FsType::Xfs, &[]) {
+        Err(HostError::CommandFailed {
+            program, stderr, ..
+        }) => {
+            assert_eq!(program, "mkfs.xfs");
+            assert!(stderr.contains("must be larger than 300MB"), "{stderr}");
+            assert!(
+                !stderr.contains("Usage") && !stderr.contains('\n'),
+                "{stderr}"
+            );
+        }
+        other => panic!("expected mkfs.xfs to refuse a 64 MiB device, got {other:?}"),
+    }
+    assert!(probe_blank(&lo.dev).unwrap());
 }

@@ -151,7 +151,9 @@ async fn main() -> anyhow::Result<()> {
             grpc,
         } => {
             let (attach, reservations) = if test_local_device_attach {
-                tracing::warn!("TEST ONLY: --test-local-device-attach: volumes are the agent's local devices, not NVMe/TCP; no identity check, no reservation");
+                tracing::warn!(
+                    "TEST ONLY: --test-local-device-attach: volumes are the agent's local devices, not NVMe/TCP; no identity check, no reservation"
+                );
                 (AttachMode::LocalDevice, false)
             } else {
                 (AttachMode::NvmeTcp, true)

@@ -165,6 +165,8 @@ impl Controller {
             Some(source) => self.source_placement(req, source).await?,
         };
         let protocol = self.pick_protocol(&req.parameters).await?;
+        let fs = request::volume_fs(&req.capability, protocol.spec.nvme_tcp.fs_type);
+        let size = request::fit_filesystem(&name, size, req.size, fs)?;
         let spec = PillarVolumeStateSpec {
             content_source,
             topology,

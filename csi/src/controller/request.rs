@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 
+use pillar_host::FsType;
 use pillar_nvmet::VolumeId;
 
 use super::DEFAULT_VOLUME_BYTES;
@@ -128,6 +129,46 @@ impl SizeRange {
     pub fn fits(self, bytes: u64) -> bool {
         bytes >= self.required && (self.limit == 0 || bytes <= self.limit)
     }
+}
+
+/// The filesystem a new volume will hold: the capability's `fs_type` (what the provisioner passes
+/// from `csi.storage.k8s.io/fstype`), else the protocol's `fsType`, as the node decides at
+/// NodeStage; `None` for a block volume.
+pub fn volume_fs(cap: &Capability, protocol_fs: pillar_state::crd::FsType) -> Option<FsType> {
+    match &cap.access {
+        capability::Access::Block => None,
+        capability::Access::Mount { fs: Some(fs), .. } => Some(*fs),
+        capability::Access::Mount { fs: None, .. } => Some(match protocol_fs {
+            pillar_state::crd::FsType::Ext4 => FsType::Ext4,
+            pillar_state::crd::FsType::Xfs => FsType::Xfs,
+        }),
+    }
+}
+
+/// `size` rounded up to what mkfs of `fs` needs, or OUT_OF_RANGE when `range`'s limit does not
+/// allow that: a volume the node can never format is refused here rather than created and
+/// failed at every NodeStage.
+pub fn fit_filesystem(
+    volume: &str,
+    size: u64,
+    range: SizeRange,
+    fs: Option<FsType>,
+) -> Result<u64, ControllerError> {
+    let Some(min) = fs.and_then(FsType::min_device_bytes) else {
+        return Ok(size);
+    };
+    if size >= min {
+        return Ok(size);
+    }
+    if range.limit != 0 && range.limit < min {
+        return Err(ControllerError::OutOfRange(format!(
+            "volume {volume} will hold {fs}, which mkfs makes only on {min} bytes or more; \
+             limit_bytes {limit} is below that (use ext4 or allow {min} bytes)",
+            fs = fs.map_or("", FsType::as_str),
+            limit = range.limit,
+        )));
+    }
+    Ok(min)
 }
 
 /// What a new volume's content comes from, as the request names it.
@@ -403,6 +444,30 @@ mod tests {
             limit_bytes: 5,
         };
         assert!(SizeRange::parse(Some(&bad)).is_err());
+    }
+
+    #[test]
+    fn xfs_sizes_are_rounded_up_to_the_mkfs_minimum_within_the_limit() {
+        let r = |required, limit| SizeRange { required, limit };
+        let min = pillar_host::XFS_MIN_BYTES;
+        let xfs = Some(FsType::Xfs);
+        assert_eq!(
+            fit_filesystem("v", 1 << 20, r(1 << 20, 0), xfs).unwrap(),
+            min
+        );
+        assert_eq!(fit_filesystem("v", 1 << 20, r(0, min), xfs).unwrap(), min);
+        assert_eq!(
+            fit_filesystem("v", min + 1, r(min + 1, 0), xfs).unwrap(),
+            min + 1
+        );
+        let err = fit_filesystem("v", 1 << 20, r(0, min - 1), xfs).unwrap_err();
+        assert!(matches!(err, ControllerError::OutOfRange(_)), "{err:?}");
+        for other in [Some(FsType::Ext4), None] {
+            assert_eq!(
+                fit_filesystem("v", 1 << 20, r(0, 1 << 20), other).unwrap(),
+                1 << 20
+            );
+        }
     }
 
     mod properties {

@@ -13,8 +13,8 @@ use pillar_host::POLL_INTERVAL;
 use pillar_host::mountinfo::{self, MountEntry};
 use pillar_host::{
     Formatted, FsType, Probe, StageMode, StagePhase, StageRecord, StageStore, bind_mount,
-    block_device_size, find_mount, format_if_blank, grow_filesystem, is_mountpoint, probe, unmount,
-    volume_stats,
+    block_device_size, find_mount, format_if_blank, grow_filesystem, is_mountpoint,
+    log_needs_recovery, probe, unmount, volume_stats,
 };
 use pillar_nvmet::VolumeId;
 use pillar_state::crd::AccessMode;
@@ -293,6 +293,31 @@ impl Engine {
         }
     }
 
+    /// A read-only stage mounts without replaying the log (N5), so a log that needs recovery
+    /// would show the filesystem as of its last checkpoint, without the changes its writer
+    /// made durable just before a snapshot: refused (failing closed, C), never mounted stale.
+    /// The check only reads the device.
+    fn require_clean_log(
+        &self,
+        volume: &VolumeId,
+        device: &Device,
+        fs_type: FsType,
+    ) -> Result<(), NodeError> {
+        let dirty =
+            log_needs_recovery(&device.path, fs_type).map_err(|source| NodeError::CheckLog {
+                device: device.path.clone(),
+                fs: fs_type.to_string(),
+                source: Box::new(source),
+            })?;
+        if dirty {
+            return Err(NodeError::LogNeedsRecovery {
+                volume: volume.to_string(),
+                fs: fs_type.to_string(),
+            });
+        }
+        Ok(())
+    }
+
     /// Rule N3: formats the device only if it is blank.
     fn format(
         &self,
@@ -349,6 +374,11 @@ impl Engine {
             }
             tracing::info!("already mounted at the staging path");
             return Ok(());
+        }
+        // Checked right before mounting, after a mount already there was judged: a read-write
+        // mount found at the path is the refusal to report, and its log is dirty by nature.
+        if readonly {
+            self.require_clean_log(volume, device, fs_type)?;
         }
         pillar_host::mount(&device.path, staging, fs_type, readonly, flags).map_err(|source| {
             NodeError::Mount {

@@ -68,6 +68,14 @@ pub enum NodeError {
         fs: String,
         found: String,
     },
+    #[error(
+        "volume {volume} is published read-only, but its {fs} log needs recovery (a snapshot of \
+         a mounted filesystem?): a read-only stage never replays the log (N5), and without the \
+         replay the filesystem would show stale data. Stage it read-write once on one node so \
+         the log is replayed (e.g. a ReadWriteOnce claim from the same snapshot, deleted or \
+         unmounted before the read-only use), or snapshot a cleanly unmounted filesystem"
+    )]
+    LogNeedsRecovery { volume: String, fs: String },
 
     // ---- concurrency ----
     #[error("an operation on volume {0} is already in progress; retry later")]
@@ -214,6 +222,13 @@ pub enum NodeError {
         #[source]
         source: Box<HostError>,
     },
+    #[error("checking whether the {fs} log on {device:?} needs recovery failed")]
+    CheckLog {
+        device: PathBuf,
+        fs: String,
+        #[source]
+        source: Box<HostError>,
+    },
     #[error("creating {path:?} failed")]
     PrepareTarget {
         path: PathBuf,
@@ -339,6 +354,9 @@ pub fn code_of(err: &NodeError) -> Code {
         | E::ReadonlyBlock { .. } => Code::InvalidArgument,
         // A read-only publication of a volume nobody formatted yet: the writer stages first.
         E::ReadOnlyWithoutFilesystem { .. } => Code::FailedPrecondition,
+        // A log only a read-write stage may replay (N5): the CO's retry cannot help until one
+        // has; fail closed.
+        E::LogNeedsRecovery { .. } => Code::FailedPrecondition,
 
         E::Busy(_) => Code::Aborted,
 
@@ -377,6 +395,7 @@ pub fn code_of(err: &NodeError) -> Code {
         | E::LocalDevice { source, .. }
         | E::Disconnect { source, .. }
         | E::Format { source, .. }
+        | E::CheckLog { source, .. }
         | E::CheckMount { source, .. }
         | E::Mount { source, .. }
         | E::Unmount { source, .. }

@@ -102,7 +102,8 @@ impl LoopDevice {
     }
 
     /// A new loop device over a byte copy of this one's backing file (sparse): what a clone or
-    /// a restore of the volume is. Copy only while nothing has the device mounted.
+    /// a restore of the volume is. Copied while the device is mounted, it is a snapshot of a
+    /// filesystem in use, whose log needs recovery.
     pub fn copy(&self) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let backing = dir.path().join("backing.img");
