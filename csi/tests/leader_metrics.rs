@@ -2,14 +2,20 @@
 //! `agent_waiting_for_resync`) are not exported by a replica that lost the Lease (issue 22,
 //! defect 15): the shipped alerts take the maximum over every replica, and a stale value on an
 //! ex-leader would fire them for ever. A replica that regains the Lease counts again at once.
+//! And the composition root (`pillar_csi::root`) wires an elected replica as `pillar-csi`
+//! serves it: elector, resync loop, metrics, CSI socket, the Lease released at shutdown.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent_api::v1 as agent_api;
-use pillar_state::apiserver_double::{HttpMethod, InjectedFailure};
+use pillar_csi::csi::identity_client::IdentityClient;
+use pillar_csi::root::{AgentReach, ControllerBuilder, Leader, Limits};
+use pillar_state::KubeStore;
+use pillar_state::apiserver_double::{ApiServerDouble, HttpMethod, InjectedFailure};
 use pillar_state::lease::{Elector, LeaseSettings};
 use support::{AGENT, Env, Mode, StoreKind, create, host, publish, unpublish};
 use tokio::time::Instant;
@@ -158,4 +164,73 @@ async fn an_ex_leader_exports_no_stale_leader_gauges() {
     .await;
     assert!(recounted, "the new leader did not count again:\n{text}");
     elector.abort();
+}
+
+fn lease_holder(double: &ApiServerDouble) -> Option<String> {
+    double
+        .lease("pillar-system", "pillar-controller")
+        .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
+}
+
+// The root wires an elected replica as `pillar-csi controller` does: its elector takes the
+// Lease, its resync loop watches that leadership (the leader gauge reads 1), its metrics and
+// CSI socket answer, and when the service stops the Lease is released before `serve` returns,
+// so a standby takes over at once instead of after the lease duration. Checked against a root
+// whose `serve` did not stop the elector: the holder was still "controller-a" after `serve`
+// returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_elected_controller_from_the_root_leads_serves_and_releases_its_lease() {
+    let double = ApiServerDouble::start().await.unwrap();
+    let client = double.controller_client().unwrap();
+    let settings = LeaseSettings {
+        lease_duration: Duration::from_millis(1500),
+        renew_deadline: Duration::from_millis(1000),
+        retry_period: Duration::from_millis(200),
+        ..LeaseSettings::new("pillar-system", "pillar-controller", "controller-a")
+    };
+    let leader = Leader::elected(Elector::new(client.clone(), settings).unwrap());
+    let wired = ControllerBuilder::new(
+        Arc::new(KubeStore::new(client)),
+        AgentReach::network(None, false),
+    )
+    .resync_every(Duration::from_millis(100), leader)
+    .metrics_at(Some("127.0.0.1:0".parse().unwrap()))
+    .build()
+    .await
+    .unwrap();
+    let addr = wired.metrics_addr().expect("metrics served");
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("controller.sock");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn({
+        let socket = socket.clone();
+        async move {
+            wired
+                .serve(&socket, Limits::default(), async {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+
+    let (leads, text) = scrape_until(addr, Duration::from_secs(5), |t| {
+        sample(t, LEADER) == Some(1.0)
+    })
+    .await;
+    assert!(leads, "the root's replica never led:\n{text}");
+    assert_eq!(lease_holder(&double).as_deref(), Some("controller-a"));
+    let info = IdentityClient::new(support::channel(&socket).await)
+        .get_plugin_info(pillar_csi::csi::GetPluginInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!info.name.is_empty());
+
+    stop.send(()).unwrap();
+    served.await.unwrap().unwrap();
+    assert_eq!(
+        lease_holder(&double),
+        None,
+        "the Lease was not released when the service stopped"
+    );
 }

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pillar_agent::blocking::Deferral;
-use pillar_csi::agents::Agents;
 use pillar_csi::controller::{Controller, code_of, volume_id_for_name};
 use pillar_csi::csi;
+use pillar_csi::root::{AgentReach, ControllerBuilder};
 use pillar_state::StateStore;
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
 
@@ -56,6 +56,8 @@ pub enum SimError {
     Store(#[from] pillar_state::StoreError),
     #[error("an agent failed to start")]
     Agent(#[from] pillar_agent::ServerError),
+    #[error("a controller replica failed to start")]
+    Controller(#[from] pillar_csi::controller::metrics::MetricsError),
 }
 
 /// What one seed did.
@@ -187,14 +189,14 @@ async fn world(
         agents.push(agent);
     }
     let dial = dialer(Arc::new(links));
-    let replicas: Vec<Arc<Controller>> = (0..2)
-        .map(|r| {
-            Controller::new(
-                ReplicaStore::new(Arc::clone(&store), chaos.clone(), r),
-                Agents::with_dialer(Arc::clone(&dial)),
-            )
-        })
-        .collect();
+    let mut replicas: Vec<Arc<Controller>> = Vec::new();
+    for r in 0..2 {
+        let store = ReplicaStore::new(Arc::clone(&store), chaos.clone(), r);
+        let wired = ControllerBuilder::new(store, AgentReach::Dialer(Arc::clone(&dial)))
+            .build()
+            .await?;
+        replicas.push(wired.controller());
+    }
     chaos.trace(format!("seed {seed}: {config:?}"));
     replicas[0].resync_waiting_agents().await;
 

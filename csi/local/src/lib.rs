@@ -21,14 +21,10 @@ use pillar_host::HostPaths;
 use pillar_nvmet::HostNqn;
 use pillar_state::EmbeddedStore;
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
-use pillar_state::lease::Leadership;
 use pillar_state::store::StateStore;
 
-use pillar_csi::agents::Agents;
-use pillar_csi::controller::{Controller, ControllerService};
-use pillar_csi::identity::IdentityService;
-use pillar_csi::node::{AttachMode, NodeConfig, NodeService};
-use pillar_csi::serve::serve;
+use pillar_csi::node::{AttachMode, NodeConfig};
+use pillar_csi::root::{AgentReach, ControllerBuilder, Leader, Limits, WiredNode};
 
 pub mod demo;
 
@@ -62,6 +58,8 @@ pub enum LocalError {
     },
     #[error("embedded store")]
     Store(#[from] pillar_state::StoreError),
+    #[error("controller metrics")]
+    Metrics(#[source] pillar_csi::controller::metrics::MetricsError),
     #[error("node plugin")]
     Node(#[source] pillar_csi::node::NodeError),
     #[error("host NQN {0:?} in the node state is invalid")]
@@ -125,8 +123,69 @@ pub async fn start(
         let _ = rx.wait_for(|v| *v).await;
     };
 
-    // Agent.
-    let agent_config = ServerConfig {
+    let agent_config = agent_config(&config, &sockets, real);
+    let agent_stop = stop(shutdown.clone());
+    tokio::spawn(async move {
+        if let Err(e) = pillar_agent::serve(agent_config, agent_stop).await {
+            tracing::error!(error = ?e, "agent stopped");
+        }
+    });
+
+    // Controller over the embedded store, its one agent and protocol recorded.
+    let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::open(dir.join("store")).await?);
+    seed_records(store.as_ref(), &sockets.agent).await?;
+    let controller = ControllerBuilder::new(store, AgentReach::network(None, true))
+        .resync_every(Duration::from_secs(1), Leader::Sole)
+        .build()
+        .await
+        .map_err(LocalError::Metrics)?;
+    let controller_socket = sockets.controller.clone();
+    let controller_stop = stop(shutdown.clone());
+    tokio::spawn(async move {
+        let r = controller
+            .serve(&controller_socket, Limits::default(), controller_stop)
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = ?e, "controller stopped");
+        }
+    });
+
+    // Node plugin.
+    let (host_nqn, host_id) = host_identity(&dir.join("node"))?;
+    let node = WiredNode::new(NodeConfig {
+        node_name: "local".into(),
+        host_nqn,
+        host_id,
+        state_dir: dir.join("node"),
+        paths: HostPaths::system(),
+        attach: if real {
+            AttachMode::NvmeTcp
+        } else {
+            AttachMode::LocalDevice
+        },
+        connect_timeout: Duration::from_secs(30),
+        reservations: true,
+        topology: Default::default(),
+    })
+    .map_err(LocalError::Node)?;
+    let node_socket = sockets.node.clone();
+    let node_stop = stop(shutdown.clone());
+    tokio::spawn(async move {
+        if let Err(e) = node.serve(&node_socket, Limits::default(), node_stop).await {
+            tracing::error!(error = ?e, "node plugin stopped");
+        }
+    });
+    for socket in [&sockets.agent, &sockets.controller, &sockets.node] {
+        wait_for_socket(socket).await;
+    }
+    Ok(sockets)
+}
+
+/// The agent: file backend in `dir/pool`, the kernel target where `real`, else the configfs
+/// double; plaintext on its unix socket only.
+fn agent_config(config: &LocalConfig, sockets: &LocalSockets, real: bool) -> ServerConfig {
+    let dir = &config.dir;
+    ServerConfig {
         state_dir: dir.join("agent"),
         listen: Listen::Unix(sockets.agent.clone()),
         engine: config.engine,
@@ -158,19 +217,15 @@ pub async fn start(
         insecure_plaintext: true,
         metrics_listen: None,
         command_timeout: Duration::from_secs(60),
-    };
-    let agent_stop = stop(shutdown.clone());
-    tokio::spawn(async move {
-        if let Err(e) = pillar_agent::serve(agent_config, agent_stop).await {
-            tracing::error!(error = ?e, "agent stopped");
-        }
-    });
+    }
+}
 
-    // Controller over the embedded store.
-    let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::open(dir.join("store")).await?);
+/// Records the one PillarAgent (at `agent_socket`) and the `nvme-tcp` protocol, keeping what an
+/// earlier run recorded where it is the same.
+async fn seed_records(store: &dyn StateStore, agent_socket: &Path) -> Result<(), LocalError> {
     let agent_spec = PillarAgentSpec {
         node: "local".into(),
-        address: format!("unix://{}", sockets.agent.display()),
+        address: format!("unix://{}", agent_socket.display()),
         tls: None,
         pools: vec![PoolRef {
             name: "local".into(),
@@ -203,53 +258,7 @@ pub async fn start(
             )
             .await?;
     }
-    let controller = Controller::new(store, Agents::new(None, true, Duration::from_secs(30)));
-    controller.spawn_resync_loop(Duration::from_secs(1), Leadership::sole());
-    let controller_socket = sockets.controller.clone();
-    let controller_stop = stop(shutdown.clone());
-    tokio::spawn(async move {
-        let r = serve::<NodeService>(
-            &controller_socket,
-            IdentityService,
-            Some(ControllerService::new(controller)),
-            None,
-            controller_stop,
-        )
-        .await;
-        if let Err(e) = r {
-            tracing::error!(error = ?e, "controller stopped");
-        }
-    });
-
-    // Node plugin.
-    let (host_nqn, host_id) = host_identity(&dir.join("node"))?;
-    let node = NodeService::new(NodeConfig {
-        node_name: "local".into(),
-        host_nqn,
-        host_id,
-        state_dir: dir.join("node"),
-        paths: HostPaths::system(),
-        attach: if real {
-            AttachMode::NvmeTcp
-        } else {
-            AttachMode::LocalDevice
-        },
-        connect_timeout: Duration::from_secs(30),
-        reservations: true,
-        topology: Default::default(),
-    })
-    .map_err(LocalError::Node)?;
-    let node_socket = sockets.node.clone();
-    let node_stop = stop(shutdown.clone());
-    tokio::spawn(async move {
-        if let Err(e) = serve(&node_socket, IdentityService, None, Some(node), node_stop).await {
-            tracing::error!(error = ?e, "node plugin stopped");
-        }
-    });
-    for socket in [&sockets.agent, &sockets.controller, &sockets.node] {
-        wait_for_socket(socket).await;
-    }
-    Ok(sockets)
+    Ok(())
 }
 
 async fn wait_for_socket(path: &Path) {
