@@ -44,8 +44,10 @@ impl Model {
     /// A disk sector: the unit a disk writes whole. Prefixes of 512 bytes include every state
     /// a 4096-byte file system block would leave.
     pub const SECTOR: Self = Self { block: 512 };
-    /// Any byte prefix: the strictest, for showing that no torn file is ever accepted.
-    pub const BYTE: Self = Self { block: 1 };
+    /// 64-byte prefixes: finer than any disk writes, for showing that no torn file is ever
+    /// accepted, and coarse enough that two unsynced files' prefixes (a record and the temp
+    /// file of the next write) multiply to thousands of states, not hundreds of thousands.
+    pub const FINE: Self = Self { block: 64 };
 }
 
 /// What a crash left: directories and files with their content (paths relative to the root).
