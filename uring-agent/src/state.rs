@@ -14,6 +14,9 @@
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use pillar_durable::DurableFs;
 
 /// The file's name in the state directory.
 pub const FILE: &str = "state-id";
@@ -50,11 +53,19 @@ pub enum Found {
 pub struct StateIdentity {
     dir: PathBuf,
     id: std::sync::Mutex<String>,
+    /// The file operations of [`renew`](Self::renew) (`std::fs`; a recorder in the crash-state
+    /// tests).
+    fs: Arc<dyn DurableFs>,
 }
 
 impl StateIdentity {
     /// Reads the identity of `dir`, writing a fresh one when it is absent or corrupt.
     pub fn open(dir: &Path) -> Result<(Self, Found), StateError> {
+        Self::open_with(dir, pillar_durable::std_fs())
+    }
+
+    /// [`open`](Self::open), writing through `fs`.
+    pub fn open_with(dir: &Path, fs: Arc<dyn DurableFs>) -> Result<(Self, Found), StateError> {
         let path = dir.join(FILE);
         let found = match std::fs::read_to_string(&path) {
             Ok(text) => match uuid::Uuid::parse_str(text.trim()) {
@@ -62,6 +73,7 @@ impl StateIdentity {
                     let me = Self {
                         dir: dir.to_path_buf(),
                         id: std::sync::Mutex::new(id.to_string()),
+                        fs,
                     };
                     return Ok((me, Found::Present));
                 }
@@ -73,6 +85,7 @@ impl StateIdentity {
         let me = Self {
             dir: dir.to_path_buf(),
             id: std::sync::Mutex::new(String::new()),
+            fs,
         };
         me.renew()?;
         Ok((me, found))
@@ -98,15 +111,15 @@ impl StateIdentity {
             path: path.clone(),
             source,
         };
-        std::fs::create_dir_all(&self.dir).map_err(err)?;
+        let fs = &*self.fs;
+        fs.create_dir_all(&self.dir).map_err(err)?;
         let temp = self.dir.join(format!(".{FILE}.{}.tmp", std::process::id()));
-        let mut file = std::fs::File::create(&temp).map_err(err)?;
+        let mut file = fs.create(&temp).map_err(err)?;
         file.write_all(format!("{id}\n").as_bytes()).map_err(err)?;
         file.sync_all().map_err(err)?;
-        std::fs::rename(&temp, &path).map_err(err)?;
-        std::fs::File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(err)?;
+        drop(file);
+        fs.rename(&temp, &path).map_err(err)?;
+        fs.sync_dir(&self.dir).map_err(err)?;
         *self.current() = id;
         Ok(())
     }

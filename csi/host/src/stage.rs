@@ -12,13 +12,14 @@
 //!
 //! The store does no locking: the caller serialises operations on one volume.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs;
 use std::io::{self, Write};
 use std::net::IpAddr;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use pillar_durable::DurableFs;
 use pillar_nvmet::{HostNqn, SubsystemNqn, VolumeId};
 use serde::{Deserialize, Serialize};
 
@@ -173,6 +174,9 @@ pub mod fuzzing {
 #[derive(Debug)]
 pub struct StageStore {
     dir: PathBuf,
+    /// Every file operation that changes the records goes through it: `std::fs` in
+    /// production, a recorder in the crash-state tests.
+    fs: Arc<dyn DurableFs>,
 }
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -184,22 +188,25 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> HostError + '_ {
     }
 }
 
-fn fsync_dir(dir: &Path) -> Result<(), HostError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err(dir))
+fn fsync_dir(fs: &dyn DurableFs, dir: &Path) -> Result<(), HostError> {
+    fs.sync_dir(dir).map_err(io_err(dir))
 }
 
 impl StageStore {
     /// Opens (creating if needed) `<state_dir>/staged`, and removes temporary files a crash
     /// left behind.
     pub fn open(state_dir: &Path) -> Result<Self, HostError> {
+        Self::open_with(state_dir, pillar_durable::std_fs())
+    }
+
+    /// [`open`](Self::open), with every change to the records made through `fs`.
+    pub fn open_with(state_dir: &Path, fs: Arc<dyn DurableFs>) -> Result<Self, HostError> {
         let dir = state_dir.join(STAGED_DIR);
         if !dir.is_dir() {
-            fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-            fsync_dir(state_dir)?;
+            fs.create_dir_all(&dir).map_err(io_err(&dir))?;
+            fsync_dir(&*fs, state_dir)?;
         }
-        let store = Self { dir };
+        let store = Self { dir, fs };
         let mut removed = false;
         for entry in fs::read_dir(&store.dir).map_err(io_err(&store.dir))? {
             let entry = entry.map_err(io_err(&store.dir))?;
@@ -210,12 +217,15 @@ impl StageStore {
                     file = name,
                     "removing a stage record temporary file left by a crash"
                 );
-                fs::remove_file(entry.path()).map_err(io_err(&entry.path()))?;
+                store
+                    .fs
+                    .remove_file(&entry.path())
+                    .map_err(io_err(&entry.path()))?;
                 removed = true;
             }
         }
         if removed {
-            fsync_dir(&store.dir)?;
+            fsync_dir(&*store.fs, &store.dir)?;
         }
         Ok(store)
     }
@@ -245,23 +255,19 @@ impl StageStore {
             std::process::id(),
             TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
+        let fs = &*self.fs;
         let result = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(io_err(&tmp))?;
+            let mut f = fs.create_new(&tmp, 0o600).map_err(io_err(&tmp))?;
             f.write_all(&bytes).map_err(io_err(&tmp))?;
             f.sync_all().map_err(io_err(&tmp))?;
             drop(f);
-            fs::rename(&tmp, &path).map_err(io_err(&path))
+            fs.rename(&tmp, &path).map_err(io_err(&path))
         })();
         if let Err(e) = result {
-            let _ = fs::remove_file(&tmp);
+            let _ = fs.remove_file(&tmp);
             return Err(e);
         }
-        fsync_dir(&self.dir)?;
+        fsync_dir(fs, &self.dir)?;
         tracing::debug!(volume = %record.volume, phase = ?record.phase, "stage record written");
         Ok(())
     }
@@ -295,12 +301,12 @@ impl StageStore {
     /// Removes the record of `volume` durably. Idempotent.
     pub fn remove(&self, volume: &VolumeId) -> Result<(), HostError> {
         let path = self.path_of(volume);
-        match fs::remove_file(&path) {
+        match self.fs.remove_file(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(source) => return Err(HostError::StageIo { path, source }),
         }
-        fsync_dir(&self.dir)?;
+        fsync_dir(&*self.fs, &self.dir)?;
         tracing::debug!(volume = %volume, "stage record removed");
         Ok(())
     }

@@ -1,21 +1,33 @@
 //! The synchronous engine: one blocking syscall per step on tokio's blocking pool. The baseline
 //! the io_uring engine is measured against, and the fallback where io_uring is unavailable.
 
-use std::fs::{File, OpenOptions};
 use std::io::{self, Write as _};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
+use pillar_durable::DurableFs;
 use pillar_nvmet::{KernelExecutor, Op, apply};
 
 use super::{DurableDir, DurableStep, EngineError, EngineStats, FaultInjection, temp_name};
 
 /// See the module documentation.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SyncEngine {
     stats: EngineStats,
     fault: FaultInjection,
+    /// Every file operation of a durable replace or removal goes through it: `std::fs` in
+    /// production, a recorder in the crash-state tests.
+    fs: Arc<dyn DurableFs>,
+}
+
+impl Default for SyncEngine {
+    fn default() -> Self {
+        Self {
+            stats: EngineStats::default(),
+            fault: FaultInjection::default(),
+            fs: pillar_durable::std_fs(),
+        }
+    }
 }
 
 fn injected(step: DurableStep) -> io::Error {
@@ -32,8 +44,18 @@ impl SyncEngine {
     #[cfg(feature = "fault-injection")]
     pub fn with_fault(fault: FaultInjection) -> Self {
         Self {
-            stats: EngineStats::default(),
             fault,
+            ..Self::default()
+        }
+    }
+
+    /// A synchronous engine whose durable file operations go through `fs` (the crash-state
+    /// tests record them).
+    #[cfg(any(test, feature = "test-seams"))]
+    pub fn with_fs(fs: Arc<dyn DurableFs>) -> Self {
+        Self {
+            fs,
+            ..Self::default()
         }
     }
 
@@ -51,8 +73,9 @@ impl SyncEngine {
         let dir = Arc::clone(dir);
         let name = name.to_owned();
         let fault = self.fault;
+        let fs = Arc::clone(&self.fs);
         EngineStats::add(&self.stats.submissions, 1);
-        crate::blocking::spawn(move || replace_blocking(&dir, &name, &contents, fault))
+        crate::blocking::spawn(move || replace_blocking(&*fs, &dir, &name, &contents, fault))
             .await
             .map_err(EngineError::Join)??;
         EngineStats::add(&self.stats.durable_ops, 1);
@@ -67,6 +90,7 @@ impl SyncEngine {
     ) -> Result<(), EngineError> {
         let dir = Arc::clone(dir);
         let name = name.to_owned();
+        let fs = Arc::clone(&self.fs);
         EngineStats::add(&self.stats.submissions, 1);
         crate::blocking::spawn(move || {
             let path = dir.path().join(&name);
@@ -75,13 +99,12 @@ impl SyncEngine {
                 path: path.clone(),
                 source,
             };
-            match std::fs::remove_file(&path) {
+            match fs.remove_file(&path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
                 Err(e) => return Err(step(DurableStep::Unlink, e)),
             }
-            File::open(dir.path())
-                .and_then(|d| d.sync_all())
+            fs.sync_dir(dir.path())
                 .map_err(|e| step(DurableStep::FsyncDir, e))
         })
         .await
@@ -107,6 +130,7 @@ impl SyncEngine {
 }
 
 fn replace_blocking(
+    fs: &dyn DurableFs,
     dir: &DurableDir,
     name: &str,
     contents: &[u8],
@@ -128,13 +152,10 @@ fn replace_blocking(
     };
 
     check(DurableStep::Open)?;
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
+    let mut file = fs
+        .create_new(&tmp, 0o600)
         .map_err(|e| fail(DurableStep::Open, e))?;
-    let mut temp = TempFile(Some(&tmp));
+    let mut temp = TempFile(fs, Some(&tmp));
     check(DurableStep::Write)?;
     file.write_all(contents)
         .map_err(|e| fail(DurableStep::Write, e))?;
@@ -143,27 +164,27 @@ fn replace_blocking(
     check(DurableStep::Close)?;
     drop(file);
     check(DurableStep::Rename)?;
-    std::fs::rename(&tmp, &target).map_err(|e| fail(DurableStep::Rename, e))?;
+    fs.rename(&tmp, &target)
+        .map_err(|e| fail(DurableStep::Rename, e))?;
     temp.renamed();
     check(DurableStep::FsyncDir)?;
-    File::open(dir.path())
-        .and_then(|d| d.sync_all())
+    fs.sync_dir(dir.path())
         .map_err(|e| fail(DurableStep::FsyncDir, e))
 }
 
 /// This write's own temp file, removed unless the rename installed it (nobody else uses it).
-struct TempFile<'a>(Option<&'a Path>);
+struct TempFile<'a>(&'a dyn DurableFs, Option<&'a Path>);
 
 impl TempFile<'_> {
     fn renamed(&mut self) {
-        self.0 = None;
+        self.1 = None;
     }
 }
 
 impl Drop for TempFile<'_> {
     fn drop(&mut self) {
-        if let Some(path) = self.0 {
-            let _ = std::fs::remove_file(path);
+        if let Some(path) = self.1 {
+            let _ = self.0.remove_file(path);
         }
     }
 }

@@ -197,6 +197,31 @@ pub(super) fn install(
     chain.seal(id, options.skip_success)
 }
 
+/// The steps of one replace as this engine chains them, in order: the first chain's, then
+/// the second's (without the directory fsync when `grouped`: the group's one fsync follows
+/// once every member renamed). The crash-state tests compare them with the operations the
+/// synchronous engine records, so the crash states of one recording are this engine's too.
+#[cfg(any(test, feature = "test-seams"))]
+pub fn replace_steps(grouped: bool) -> Vec<DurableStep> {
+    let data = ReplaceData {
+        tmp: c".a.json.tmp".to_owned(),
+        name: c"a.json".to_owned(),
+        data: vec![b'\n'],
+        len: 1,
+    };
+    let Some(slot) = super::flight::SlotPool::new(1).take() else {
+        return Vec::new();
+    };
+    let id = super::flight::Ids::new().next();
+    let options = ChainOptions::default();
+    let prepared = prepare(id, &data, -1, &slot, options);
+    let installed = install(id, &data, -1, grouped, options);
+    (prepared.planned.iter())
+        .chain(&installed.planned)
+        .map(|p| p.step)
+        .collect()
+}
+
 /// The chain of a removal of `name` from the directory `dirfd`.
 pub(super) fn remove(
     id: FlightId,

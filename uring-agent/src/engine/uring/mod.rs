@@ -55,6 +55,8 @@ use tokio::sync::oneshot;
 
 #[cfg(any(test, feature = "test-seams"))]
 pub use chain::MAX_OPS_PER_CHAIN;
+#[cfg(any(test, feature = "test-seams"))]
+pub use chain::replace_steps;
 
 use super::{BatchObserver, DurableDir, EngineError, EngineStats, FaultInjection};
 use admission::Admission;
