@@ -46,10 +46,10 @@ pub use fs::{
 };
 pub use journal::log_needs_recovery;
 pub use mountinfo::MountEntry;
-pub use stage::{StageMode, StagePhase, StageRecord, StageStore};
 /// The stage record's codec, for the fuzz targets only (`fuzz/`); not part of the crate's API.
 #[doc(hidden)]
 pub use stage::fuzzing as stage_fuzzing;
+pub use stage::{StageMode, StagePhase, StageRecord, StageStore};
 pub use sysfs::{
     ControllerInfo, ControllerState, NamespaceDevice, NamespaceParent, POLL_INTERVAL,
     controller_live, controllers_for, disconnect_subsystem, namespaces_for, namespaces_for_host,
