@@ -203,7 +203,8 @@ fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
 }
 
 /// The request-field parsers the handlers below apply to what a client sent, for the fuzz
-/// targets (`fuzz/`); not part of the crate's API.
+/// targets (`fuzz/`, through the `test-seams` feature); not part of the crate's API.
+#[cfg(feature = "test-seams")]
 #[doc(hidden)]
 pub mod fuzzing {
     use super::{AgentError, ContentSource, ExportRequest, api};
