@@ -85,8 +85,25 @@ scenario_a() {
       cmp <(dd if=$b bs=1M skip=4 count=1 status=none) $W/blk"
   else fail "a: block PVC bound and published"; fi
 
-  # ReadOnlyMany from the snapshot, on two pods on two nodes, read-only on both.
-  make_pvc a-rox 400Mi ReadOnlyMany Filesystem VolumeSnapshot a-snap
+  # A snapshot of a mounted file system has a dirty log: a read-only stage of it must be
+  # refused, not show the file system as of its last checkpoint.
+  make_pvc a-rox-dirty 400Mi ReadOnlyMany Filesystem VolumeSnapshot a-snap
+  local refused
+  if refused=$(pvc_for_pod a-rox-dirty e2e-node-a a-rox-dirty-a ro 2>&1); then
+    fail "a: a read-only stage of a snapshot of a mounted file system is refused (it was staged)"
+  else
+    check "a: a read-only stage of a snapshot of a mounted file system is refused ($(grep -o 'FailedPrecondition\|[^"]*recovery[^"]*' <<<"$refused" | head -1 | cut -c1-120))" \
+      grep -q "recovery" <<<"$refused"
+  fi
+  # The restore, unmounted cleanly (its read-write stage replayed the log), snapshotted again.
+  delete_pod e2e-node-b a-restore-reader
+  jq -n '{apiVersion: "snapshot.storage.k8s.io/v1", kind: "VolumeSnapshot",
+    metadata: {name: "a-snap-clean"}, spec: {volumeSnapshotClassName: "pillar-e2e",
+    source: {persistentVolumeClaimName: "a-restore"}}}' | k apply -f - >/dev/null
+  check "a: snapshot of the cleanly unmounted restore ready" wait_for 120 "snapshot ready" snapshot_ready a-snap-clean
+
+  # ReadOnlyMany from the clean snapshot, on two pods on two nodes, read-only on both.
+  make_pvc a-rox 400Mi ReadOnlyMany Filesystem VolumeSnapshot a-snap-clean
   local x y
   if x=$(pvc_for_pod a-rox e2e-node-a a-rox-a ro) && make_pod a-rox-b e2e-node-b a-rox ro &&
      y=$(kubelet_mount e2e-node-b a-rox-b a-rox ro); then
@@ -104,11 +121,13 @@ scenario_a() {
   # Delete everything: pods (kubelet unmounts first), then claims and the snapshot.
   local p
   for p in a-writer a-block-user a-rox-a; do delete_pod e2e-node-a "$p"; done
-  for p in a-restore-reader a-clone-reader a-rox-b; do delete_pod e2e-node-b "$p"; done
+  for p in a-clone-reader a-rox-b; do delete_pod e2e-node-b "$p"; done
+  delete_pod e2e-node-a a-rox-dirty-a
   check "a: every VolumeAttachment gone (ControllerUnpublish)" wait_for 120 "detach" no_attachments
-  k delete pvc a-restore a-clone a-block a-rox --wait=false >/dev/null
-  k delete volumesnapshot a-snap --wait=false >/dev/null
-  wait_for 120 "snapshot deleted" gone volumesnapshot a-snap
+  k delete pvc a-restore a-clone a-block a-rox a-rox-dirty --wait=false >/dev/null
+  k delete volumesnapshot a-snap a-snap-clean --wait=false >/dev/null
+  wait_for 120 "snapshots deleted" gone volumesnapshot a-snap
+  wait_for 120 "snapshots deleted" gone volumesnapshot a-snap-clean
   k delete pvc a-data --wait=false >/dev/null
   no_pvs() { [ "$(k get pv -o name | wc -l)" -eq 0 ]; }
   check "a: every PV deleted (DeleteVolume)" wait_for 180 "PVs deleted" no_pvs
