@@ -191,6 +191,15 @@ impl Drop for Agent {
     }
 }
 
+/// The pool's loop devices go with the directories, wherever they end: a test that stops an
+/// agent and keeps its `Dirs` (to restart on them) would otherwise leave them bound to deleted
+/// files, two more at every run.
+impl Drop for Dirs {
+    fn drop(&mut self) {
+        detach_loops_under(&self.pool());
+    }
+}
+
 /// Detaches every loop device whose backing file lies under `dir` (test cleanup).
 pub fn detach_loops_under(dir: &Path) {
     let Ok(entries) = std::fs::read_dir("/sys/block") else {
