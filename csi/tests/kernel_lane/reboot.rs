@@ -85,10 +85,12 @@ pub(crate) async fn storage_reboot(
         .await
         .unwrap()
         .into_inner();
+    // The state directory was wiped: the agent knows its state was lost (C6) and waits for
+    // the resync that re-seeds its marks.
     assert_eq!(
         h.state(),
-        agent_api::health_response::State::WaitingForResync,
-        "a restarted agent waits for the resync"
+        agent_api::health_response::State::Lost,
+        "a restarted agent whose state was wiped knows it lost its state"
     );
     let uid = lab.volume_uid(volume);
     let refused = agent
@@ -105,7 +107,10 @@ pub(crate) async fn storage_reboot(
         .await
         .expect_err("an export before the resync must be refused");
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
-    assert!(refused.message().contains("resync"), "{refused:?}");
+    assert!(
+        refused.message().contains("state directory was lost"),
+        "{refused:?}"
+    );
     let refused = agent
         .grant_initiator(agent_api::GrantInitiatorRequest {
             token: token(&uid, u64::MAX / 2),
@@ -132,7 +137,7 @@ pub(crate) async fn storage_reboot(
             .all(|c| c.state.as_str() != "live"),
         "host live without an export"
     );
-    sc.step("agent restarted: WAITING_FOR_RESYNC, Export and GrantInitiator refused (UNAVAILABLE), nvmet still empty after 3 s");
+    sc.step("agent restarted: STATE_LOST, Export and GrantInitiator refused (UNAVAILABLE), nvmet still empty after 3 s");
     // C5: the outage is visible to the CO, and asking does not hang.
     let stats = volume_stats(node, staged).await;
     println!("  NodeGetVolumeStats during the outage: {stats:?}");
