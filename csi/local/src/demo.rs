@@ -83,159 +83,206 @@ pub async fn run(
     name: &str,
     size: i64,
 ) -> Result<Vec<Step>, DemoError> {
-    use csi::volume_capability::access_mode::Mode;
-    let mut ctl = ControllerClient::new(channel(controller_socket).await?);
-    let mut node = NodeClient::new(channel(node_socket).await?);
-    let mut steps = Vec::new();
-    let mut timed = |name: &'static str, started: Instant| {
+    let mut demo = Demo {
+        ctl: ControllerClient::new(channel(controller_socket).await?),
+        node: NodeClient::new(channel(node_socket).await?),
+        name: name.to_owned(),
+        staging: work.join("staging").display().to_string(),
+        target: work.join("pod/volume"),
+        steps: Vec::new(),
+    };
+    let attached = demo.attach(size).await?;
+    demo.write_and_verify()?;
+    demo.stats().await?;
+    demo.detach(attached.node_id).await?;
+    Ok(demo.steps)
+}
+
+fn call(step: &'static str) -> impl FnOnce(tonic::Status) -> DemoError {
+    move |source| DemoError::Call { step, source }
+}
+
+fn io(step: &'static str) -> impl FnOnce(std::io::Error) -> DemoError {
+    move |source| DemoError::Io { step, source }
+}
+
+/// The clients, paths and steps of one run.
+struct Demo {
+    ctl: ControllerClient<Channel>,
+    node: NodeClient<Channel>,
+    name: String,
+    staging: String,
+    target: PathBuf,
+    steps: Vec<Step>,
+}
+
+/// What detaching needs from attaching.
+struct Attached {
+    node_id: String,
+}
+
+impl Demo {
+    /// Records a step that started at `started` and prints it.
+    fn timed(&mut self, name: &'static str, started: Instant) {
         let s = Step {
             name,
             took: started.elapsed(),
         };
         println!("  {:<28} {:>9.3} ms", s.name, s.took.as_secs_f64() * 1e3);
-        steps.push(s);
-    };
-    let call = |step: &'static str| move |source| DemoError::Call { step, source };
-    let cap = mount_cap(Mode::SingleNodeWriter);
+        self.steps.push(s);
+    }
 
-    let t = Instant::now();
-    let node_id = node
-        .node_get_info(csi::NodeGetInfoRequest {})
-        .await
-        .map_err(call("NodeGetInfo"))?
-        .into_inner()
-        .node_id;
-    timed("NodeGetInfo", t);
-    let t = Instant::now();
-    let created = ctl
-        .create_volume(csi::CreateVolumeRequest {
-            name: name.into(),
+    fn target_path(&self) -> String {
+        self.target.display().to_string()
+    }
+
+    /// NodeGetInfo, CreateVolume, ControllerPublish, NodeStage (mkfs, mount), NodePublish.
+    async fn attach(&mut self, size: i64) -> Result<Attached, DemoError> {
+        use csi::volume_capability::access_mode::Mode;
+        let cap = mount_cap(Mode::SingleNodeWriter);
+        let t = Instant::now();
+        let info = self.node.node_get_info(csi::NodeGetInfoRequest {}).await;
+        let node_id = info.map_err(call("NodeGetInfo"))?.into_inner().node_id;
+        self.timed("NodeGetInfo", t);
+        let t = Instant::now();
+        let request = csi::CreateVolumeRequest {
+            name: self.name.clone(),
             capacity_range: Some(csi::CapacityRange {
                 required_bytes: size,
                 limit_bytes: 0,
             }),
             volume_capabilities: vec![cap.clone()],
             ..Default::default()
-        })
-        .await
-        .map_err(call("CreateVolume"))?
-        .into_inner();
-    timed("CreateVolume", t);
-    let volume_context = created.volume.map(|v| v.volume_context).unwrap_or_default();
-    let t = Instant::now();
-    let published = ctl
-        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-            volume_id: name.into(),
+        };
+        let created = self.ctl.create_volume(request).await;
+        let created = created.map_err(call("CreateVolume"))?.into_inner();
+        self.timed("CreateVolume", t);
+        let volume_context = created.volume.map(|v| v.volume_context).unwrap_or_default();
+        let t = Instant::now();
+        let request = csi::ControllerPublishVolumeRequest {
+            volume_id: self.name.clone(),
             node_id: node_id.clone(),
             volume_capability: Some(cap.clone()),
             readonly: false,
             secrets: HashMap::new(),
             volume_context: volume_context.clone(),
-        })
-        .await
-        .map_err(call("ControllerPublishVolume"))?
-        .into_inner();
-    timed("ControllerPublishVolume", t);
-    let staging = work.join("staging");
-    let target = work.join("pod/volume");
-    let t = Instant::now();
-    node.node_stage_volume(csi::NodeStageVolumeRequest {
-        volume_id: name.into(),
-        publish_context: published.publish_context.clone(),
-        staging_target_path: staging.display().to_string(),
-        volume_capability: Some(cap.clone()),
-        secrets: HashMap::new(),
-        volume_context: volume_context.clone(),
-    })
-    .await
-    .map_err(call("NodeStageVolume"))?;
-    timed("NodeStageVolume (mkfs, mount)", t);
-    let t = Instant::now();
-    node.node_publish_volume(csi::NodePublishVolumeRequest {
-        volume_id: name.into(),
-        publish_context: published.publish_context.clone(),
-        staging_target_path: staging.display().to_string(),
-        target_path: target.display().to_string(),
-        volume_capability: Some(cap.clone()),
-        readonly: false,
-        secrets: HashMap::new(),
-        volume_context,
-    })
-    .await
-    .map_err(call("NodePublishVolume"))?;
-    timed("NodePublishVolume", t);
+        };
+        let published = self.ctl.controller_publish_volume(request).await;
+        let publish_context = published
+            .map_err(call("ControllerPublishVolume"))?
+            .into_inner()
+            .publish_context;
+        self.timed("ControllerPublishVolume", t);
+        let t = Instant::now();
+        let request = csi::NodeStageVolumeRequest {
+            volume_id: self.name.clone(),
+            publish_context: publish_context.clone(),
+            staging_target_path: self.staging.clone(),
+            volume_capability: Some(cap.clone()),
+            secrets: HashMap::new(),
+            volume_context: volume_context.clone(),
+        };
+        let staged = self.node.node_stage_volume(request).await;
+        staged.map_err(call("NodeStageVolume"))?;
+        self.timed("NodeStageVolume (mkfs, mount)", t);
+        let t = Instant::now();
+        let request = csi::NodePublishVolumeRequest {
+            volume_id: self.name.clone(),
+            publish_context,
+            staging_target_path: self.staging.clone(),
+            target_path: self.target_path(),
+            volume_capability: Some(cap),
+            readonly: false,
+            secrets: HashMap::new(),
+            volume_context,
+        };
+        let published = self.node.node_publish_volume(request).await;
+        published.map_err(call("NodePublishVolume"))?;
+        self.timed("NodePublishVolume", t);
+        Ok(Attached { node_id })
+    }
 
-    let t = Instant::now();
-    let data: Vec<u8> = (0..4u32 << 20)
-        .map(|i| u8::try_from(i.wrapping_mul(2_654_435_761) >> 24).unwrap_or(0))
-        .collect();
-    let file = target.join("data.bin");
-    let io = |step| move |source| DemoError::Io { step, source };
-    {
+    /// Writes 4 MiB of a fixed pattern to the published path, fsyncs, reads it back and
+    /// compares checksums.
+    fn write_and_verify(&mut self) -> Result<(), DemoError> {
         use std::io::Write as _;
-        let mut f = std::fs::File::create(&file).map_err(io("create"))?;
-        f.write_all(&data).map_err(io("write"))?;
-        f.sync_all().map_err(io("fsync"))?;
-    }
-    let written = Sha256::digest(&data);
-    let read = std::fs::read(&file).map_err(io("read"))?;
-    if Sha256::digest(&read) != written {
-        return Err(DemoError::Checksum);
-    }
-    timed("write 4 MiB + fsync + verify", t);
-    let t = Instant::now();
-    let stats = node
-        .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-            volume_id: name.into(),
-            volume_path: target.display().to_string(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .map_err(call("NodeGetVolumeStats"))?
-        .into_inner();
-    timed("NodeGetVolumeStats", t);
-    for u in &stats.usage {
-        println!(
-            "    usage: total {} used {} available {} ({:?})",
-            u.total,
-            u.used,
-            u.available,
-            u.unit()
-        );
+        let t = Instant::now();
+        let data: Vec<u8> = (0..4u32 << 20)
+            .map(|i| u8::try_from(i.wrapping_mul(2_654_435_761) >> 24).unwrap_or(0))
+            .collect();
+        let file = self.target.join("data.bin");
+        {
+            let mut f = std::fs::File::create(&file).map_err(io("create"))?;
+            f.write_all(&data).map_err(io("write"))?;
+            f.sync_all().map_err(io("fsync"))?;
+        }
+        let written = Sha256::digest(&data);
+        let read = std::fs::read(&file).map_err(io("read"))?;
+        if Sha256::digest(&read) != written {
+            return Err(DemoError::Checksum);
+        }
+        self.timed("write 4 MiB + fsync + verify", t);
+        Ok(())
     }
 
-    let t = Instant::now();
-    node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-        volume_id: name.into(),
-        target_path: target.display().to_string(),
-    })
-    .await
-    .map_err(call("NodeUnpublishVolume"))?;
-    timed("NodeUnpublishVolume", t);
-    let t = Instant::now();
-    node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-        volume_id: name.into(),
-        staging_target_path: staging.display().to_string(),
-    })
-    .await
-    .map_err(call("NodeUnstageVolume"))?;
-    timed("NodeUnstageVolume", t);
-    let t = Instant::now();
-    ctl.controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-        volume_id: name.into(),
-        node_id,
-        secrets: HashMap::new(),
-    })
-    .await
-    .map_err(call("ControllerUnpublishVolume"))?;
-    timed("ControllerUnpublishVolume", t);
-    let t = Instant::now();
-    ctl.delete_volume(csi::DeleteVolumeRequest {
-        volume_id: name.into(),
-        secrets: HashMap::new(),
-    })
-    .await
-    .map_err(call("DeleteVolume"))?;
-    timed("DeleteVolume", t);
-    Ok(steps)
+    /// NodeGetVolumeStats on the published path, printed.
+    async fn stats(&mut self) -> Result<(), DemoError> {
+        let t = Instant::now();
+        let request = csi::NodeGetVolumeStatsRequest {
+            volume_id: self.name.clone(),
+            volume_path: self.target_path(),
+            staging_target_path: self.staging.clone(),
+        };
+        let stats = self.node.node_get_volume_stats(request).await;
+        let stats = stats.map_err(call("NodeGetVolumeStats"))?.into_inner();
+        self.timed("NodeGetVolumeStats", t);
+        for u in &stats.usage {
+            println!(
+                "    usage: total {} used {} available {} ({:?})",
+                u.total,
+                u.used,
+                u.available,
+                u.unit()
+            );
+        }
+        Ok(())
+    }
+
+    /// NodeUnpublish, NodeUnstage, ControllerUnpublish, DeleteVolume.
+    async fn detach(&mut self, node_id: String) -> Result<(), DemoError> {
+        let t = Instant::now();
+        let request = csi::NodeUnpublishVolumeRequest {
+            volume_id: self.name.clone(),
+            target_path: self.target_path(),
+        };
+        let done = self.node.node_unpublish_volume(request).await;
+        done.map_err(call("NodeUnpublishVolume"))?;
+        self.timed("NodeUnpublishVolume", t);
+        let t = Instant::now();
+        let request = csi::NodeUnstageVolumeRequest {
+            volume_id: self.name.clone(),
+            staging_target_path: self.staging.clone(),
+        };
+        let done = self.node.node_unstage_volume(request).await;
+        done.map_err(call("NodeUnstageVolume"))?;
+        self.timed("NodeUnstageVolume", t);
+        let t = Instant::now();
+        let request = csi::ControllerUnpublishVolumeRequest {
+            volume_id: self.name.clone(),
+            node_id,
+            secrets: HashMap::new(),
+        };
+        let done = self.ctl.controller_unpublish_volume(request).await;
+        done.map_err(call("ControllerUnpublishVolume"))?;
+        self.timed("ControllerUnpublishVolume", t);
+        let t = Instant::now();
+        let request = csi::DeleteVolumeRequest {
+            volume_id: self.name.clone(),
+            secrets: HashMap::new(),
+        };
+        let done = self.ctl.delete_volume(request).await;
+        done.map_err(call("DeleteVolume"))?;
+        self.timed("DeleteVolume", t);
+        Ok(())
+    }
 }

@@ -49,54 +49,16 @@ enum Command {
     /// NodeGetInfo of the node plugin.
     Info,
     /// CreateVolume.
-    Create {
-        name: String,
-        #[arg(long)]
-        size: i64,
-        #[arg(long)]
-        block: bool,
-        #[arg(long, value_enum, default_value = "rwo")]
-        mode: Mode,
-    },
+    Create(CreateArgs),
     /// ControllerPublishVolume to this node, then NodeStageVolume at PATH (and, with
     /// --target, NodePublishVolume there).
-    Attach {
-        name: String,
-        #[arg(long)]
-        staging: PathBuf,
-        #[arg(long)]
-        target: Option<PathBuf>,
-        #[arg(long)]
-        block: bool,
-        #[arg(long)]
-        readonly: bool,
-        #[arg(long, value_enum, default_value = "rwo")]
-        mode: Mode,
-    },
+    Attach(AttachArgs),
     /// NodeUnpublishVolume (with --target), NodeUnstageVolume, ControllerUnpublishVolume.
-    Detach {
-        name: String,
-        #[arg(long)]
-        staging: PathBuf,
-        #[arg(long)]
-        target: Option<PathBuf>,
-    },
+    Detach(DetachArgs),
     /// ControllerExpandVolume, then NodeExpandVolume at PATH.
-    Expand {
-        name: String,
-        #[arg(long)]
-        size: i64,
-        #[arg(long)]
-        path: PathBuf,
-        #[arg(long)]
-        staging: PathBuf,
-    },
+    Expand(ExpandArgs),
     /// NodeGetVolumeStats at PATH.
-    Stats {
-        name: String,
-        #[arg(long)]
-        path: PathBuf,
-    },
+    Stats(StatsArgs),
     /// DeleteVolume.
     Delete { name: String },
     /// The NVMe block device of an attached volume on this host (by subsystem NQN in sysfs).
@@ -109,6 +71,59 @@ enum Command {
 }
 
 /// The calls kubelet makes on a node plugin, each with what kubelet passes.
+#[derive(Debug, clap::Args)]
+struct CreateArgs {
+    name: String,
+    #[arg(long)]
+    size: i64,
+    #[arg(long)]
+    block: bool,
+    #[arg(long, value_enum, default_value = "rwo")]
+    mode: Mode,
+}
+
+#[derive(Debug, clap::Args)]
+struct AttachArgs {
+    name: String,
+    #[arg(long)]
+    staging: PathBuf,
+    #[arg(long)]
+    target: Option<PathBuf>,
+    #[arg(long)]
+    block: bool,
+    #[arg(long)]
+    readonly: bool,
+    #[arg(long, value_enum, default_value = "rwo")]
+    mode: Mode,
+}
+
+#[derive(Debug, clap::Args)]
+struct DetachArgs {
+    name: String,
+    #[arg(long)]
+    staging: PathBuf,
+    #[arg(long)]
+    target: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+struct ExpandArgs {
+    name: String,
+    #[arg(long)]
+    size: i64,
+    #[arg(long)]
+    path: PathBuf,
+    #[arg(long)]
+    staging: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+struct StatsArgs {
+    name: String,
+    #[arg(long)]
+    path: PathBuf,
+}
+
 #[derive(Debug, Subcommand)]
 enum KubeletCall {
     /// NodeStageVolume.
@@ -272,20 +287,15 @@ async fn kubelet_call(
             block,
             mode,
         } => {
-            let grown = node
-                .node_expand_volume(csi::NodeExpandVolumeRequest {
-                    volume_id: volume_id.clone(),
-                    volume_path: path(&volume_path),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: size,
-                        limit_bytes: 0,
-                    }),
-                    staging_target_path: path(&staging),
-                    volume_capability: Some(capability(block, mode)),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
+            let request = csi::NodeExpandVolumeRequest {
+                volume_id: volume_id.clone(),
+                volume_path: path(&volume_path),
+                capacity_range: size_range(size),
+                staging_target_path: path(&staging),
+                volume_capability: Some(capability(block, mode)),
+                ..Default::default()
+            };
+            let grown = node.node_expand_volume(request).await?.into_inner();
             json!({"volume_id": volume_id, "capacity_bytes": grown.capacity_bytes})
         }
     })
@@ -307,209 +317,211 @@ fn capability(block: bool, mode: Mode) -> csi::VolumeCapability {
     }
 }
 
+/// The two CSI sockets, connected on first use by each command.
+struct Sockets {
+    controller: PathBuf,
+    node: PathBuf,
+}
+
+impl Sockets {
+    async fn node(&self) -> anyhow::Result<NodeClient<Channel>> {
+        Ok(NodeClient::new(channel(&self.node).await?))
+    }
+
+    async fn controller(&self) -> anyhow::Result<ControllerClient<Channel>> {
+        Ok(ControllerClient::new(channel(&self.controller).await?))
+    }
+}
+
+fn size_range(size: i64) -> Option<csi::CapacityRange> {
+    Some(csi::CapacityRange {
+        required_bytes: size,
+        limit_bytes: 0,
+    })
+}
+
+async fn node_id(node: &mut NodeClient<Channel>) -> anyhow::Result<String> {
+    let info = node.node_get_info(csi::NodeGetInfoRequest {}).await?;
+    Ok(info.into_inner().node_id)
+}
+
+async fn info(s: &Sockets) -> anyhow::Result<serde_json::Value> {
+    let mut node = s.node().await?;
+    let info = node.node_get_info(csi::NodeGetInfoRequest {}).await?;
+    let info = info.into_inner();
+    let topology = info.accessible_topology.map(|t| t.segments);
+    Ok(json!({"node_id": info.node_id, "topology": topology}))
+}
+
+async fn create(s: &Sockets, a: CreateArgs) -> anyhow::Result<serde_json::Value> {
+    let request = csi::CreateVolumeRequest {
+        name: a.name,
+        capacity_range: size_range(a.size),
+        volume_capabilities: vec![capability(a.block, a.mode)],
+        ..Default::default()
+    };
+    let created = s.controller().await?.create_volume(request).await?;
+    let v = created
+        .into_inner()
+        .volume
+        .context("CreateVolume returned no volume")?;
+    Ok(
+        json!({"volume_id": v.volume_id, "capacity_bytes": v.capacity_bytes, "volume_context": v.volume_context}),
+    )
+}
+
+/// ControllerPublish to this node, NodeStage, and NodePublish if a target is given.
+async fn attach(s: &Sockets, a: AttachArgs) -> anyhow::Result<serde_json::Value> {
+    let mut node = s.node().await?;
+    let cap = capability(a.block, a.mode);
+    let request = csi::ControllerPublishVolumeRequest {
+        volume_id: a.name.clone(),
+        node_id: node_id(&mut node).await?,
+        volume_capability: Some(cap.clone()),
+        readonly: a.readonly,
+        ..Default::default()
+    };
+    let mut controller = s.controller().await?;
+    let published = controller.controller_publish_volume(request).await?;
+    let ctx = published.into_inner().publish_context;
+    node.node_stage_volume(csi::NodeStageVolumeRequest {
+        volume_id: a.name.clone(),
+        publish_context: ctx.clone(),
+        staging_target_path: a.staging.display().to_string(),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    })
+    .await?;
+    if let Some(target) = &a.target {
+        node.node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: a.name.clone(),
+            publish_context: ctx.clone(),
+            staging_target_path: a.staging.display().to_string(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(cap),
+            readonly: a.readonly,
+            ..Default::default()
+        })
+        .await?;
+    }
+    Ok(
+        json!({"volume_id": a.name, "publish_context": ctx, "staging": a.staging, "target": a.target}),
+    )
+}
+
+/// NodeUnpublish if a target is given, NodeUnstage, ControllerUnpublish from this node.
+async fn detach(s: &Sockets, a: DetachArgs) -> anyhow::Result<serde_json::Value> {
+    let mut node = s.node().await?;
+    let node_id = node_id(&mut node).await?;
+    if let Some(target) = &a.target {
+        node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: a.name.clone(),
+            target_path: target.display().to_string(),
+        })
+        .await?;
+    }
+    node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+        volume_id: a.name.clone(),
+        staging_target_path: a.staging.display().to_string(),
+    })
+    .await?;
+    let request = csi::ControllerUnpublishVolumeRequest {
+        volume_id: a.name.clone(),
+        node_id,
+        secrets: HashMap::new(),
+    };
+    s.controller()
+        .await?
+        .controller_unpublish_volume(request)
+        .await?;
+    Ok(json!({"volume_id": a.name, "detached": true}))
+}
+
+/// ControllerExpand, then NodeExpand if the controller says the node must grow too.
+async fn expand(s: &Sockets, a: ExpandArgs) -> anyhow::Result<serde_json::Value> {
+    let request = csi::ControllerExpandVolumeRequest {
+        volume_id: a.name.clone(),
+        capacity_range: size_range(a.size),
+        ..Default::default()
+    };
+    let mut controller = s.controller().await?;
+    let grown = controller.controller_expand_volume(request).await?;
+    let grown = grown.into_inner();
+    let node = if grown.node_expansion_required {
+        let request = csi::NodeExpandVolumeRequest {
+            volume_id: a.name.clone(),
+            volume_path: a.path.display().to_string(),
+            capacity_range: size_range(a.size),
+            staging_target_path: a.staging.display().to_string(),
+            ..Default::default()
+        };
+        let grown = s.node().await?.node_expand_volume(request).await?;
+        Some(grown.into_inner().capacity_bytes)
+    } else {
+        None
+    };
+    Ok(
+        json!({"volume_id": a.name, "controller_capacity_bytes": grown.capacity_bytes, "node_capacity_bytes": node}),
+    )
+}
+
+async fn stats(s: &Sockets, a: StatsArgs) -> anyhow::Result<serde_json::Value> {
+    let request = csi::NodeGetVolumeStatsRequest {
+        volume_id: a.name.clone(),
+        volume_path: a.path.display().to_string(),
+        staging_target_path: String::new(),
+    };
+    let stats = s.node().await?.node_get_volume_stats(request).await?;
+    let stats = stats.into_inner();
+    let usage: Vec<_> = stats
+        .usage
+        .iter()
+        .map(|u| json!({"unit": u.unit().as_str_name(), "total": u.total, "used": u.used, "available": u.available}))
+        .collect();
+    let condition = stats
+        .volume_condition
+        .map(|c| json!({"abnormal": c.abnormal, "message": c.message}));
+    Ok(json!({"volume_id": a.name, "usage": usage, "condition": condition}))
+}
+
+async fn delete(s: &Sockets, name: String) -> anyhow::Result<serde_json::Value> {
+    let request = csi::DeleteVolumeRequest {
+        volume_id: name.clone(),
+        secrets: HashMap::new(),
+    };
+    s.controller().await?.delete_volume(request).await?;
+    Ok(json!({"volume_id": name, "deleted": true}))
+}
+
+/// The NVMe block devices this host has for the volume's subsystem.
+fn device(name: String) -> anyhow::Result<serde_json::Value> {
+    let nqn = pillar_nvmet::VolumeId::parse(&name)?.subsystem_nqn();
+    let devices = pillar_host::namespaces_for(&pillar_host::HostPaths::system(), &nqn)
+        .context("reading NVMe sysfs")?;
+    let paths: Vec<_> = devices
+        .iter()
+        .map(|d| d.dev_path.display().to_string())
+        .collect();
+    Ok(json!({"volume_id": name, "nqn": nqn.to_string(), "devices": paths}))
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let node_client = || async { anyhow::Ok(NodeClient::new(channel(&args.node).await?)) };
-    let controller_client =
-        || async { anyhow::Ok(ControllerClient::new(channel(&args.controller).await?)) };
+    let s = Sockets {
+        controller: args.controller,
+        node: args.node,
+    };
     let out = match args.command {
-        Command::Info => {
-            let info = node_client()
-                .await?
-                .node_get_info(csi::NodeGetInfoRequest {})
-                .await?
-                .into_inner();
-            let topology = info.accessible_topology.map(|t| t.segments);
-            json!({"node_id": info.node_id, "topology": topology})
-        }
-        Command::Create {
-            name,
-            size,
-            block,
-            mode,
-        } => {
-            let v = controller_client()
-                .await?
-                .create_volume(csi::CreateVolumeRequest {
-                    name,
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: size,
-                        limit_bytes: 0,
-                    }),
-                    volume_capabilities: vec![capability(block, mode)],
-                    ..Default::default()
-                })
-                .await?
-                .into_inner()
-                .volume
-                .context("CreateVolume returned no volume")?;
-            json!({"volume_id": v.volume_id, "capacity_bytes": v.capacity_bytes, "volume_context": v.volume_context})
-        }
-        Command::Attach {
-            name,
-            staging,
-            target,
-            block,
-            readonly,
-            mode,
-        } => {
-            let mut node = node_client().await?;
-            let node_id = node
-                .node_get_info(csi::NodeGetInfoRequest {})
-                .await?
-                .into_inner()
-                .node_id;
-            let cap = capability(block, mode);
-            let ctx = controller_client()
-                .await?
-                .controller_publish_volume(csi::ControllerPublishVolumeRequest {
-                    volume_id: name.clone(),
-                    node_id,
-                    volume_capability: Some(cap.clone()),
-                    readonly,
-                    ..Default::default()
-                })
-                .await?
-                .into_inner()
-                .publish_context;
-            node.node_stage_volume(csi::NodeStageVolumeRequest {
-                volume_id: name.clone(),
-                publish_context: ctx.clone(),
-                staging_target_path: staging.display().to_string(),
-                volume_capability: Some(cap.clone()),
-                ..Default::default()
-            })
-            .await?;
-            if let Some(target) = &target {
-                node.node_publish_volume(csi::NodePublishVolumeRequest {
-                    volume_id: name.clone(),
-                    publish_context: ctx.clone(),
-                    staging_target_path: staging.display().to_string(),
-                    target_path: target.display().to_string(),
-                    volume_capability: Some(cap),
-                    readonly,
-                    ..Default::default()
-                })
-                .await?;
-            }
-            json!({"volume_id": name, "publish_context": ctx, "staging": staging, "target": target})
-        }
-        Command::Detach {
-            name,
-            staging,
-            target,
-        } => {
-            let mut node = node_client().await?;
-            let node_id = node
-                .node_get_info(csi::NodeGetInfoRequest {})
-                .await?
-                .into_inner()
-                .node_id;
-            if let Some(target) = &target {
-                node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                    volume_id: name.clone(),
-                    target_path: target.display().to_string(),
-                })
-                .await?;
-            }
-            node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: name.clone(),
-                staging_target_path: staging.display().to_string(),
-            })
-            .await?;
-            controller_client()
-                .await?
-                .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
-                    volume_id: name.clone(),
-                    node_id,
-                    secrets: HashMap::new(),
-                })
-                .await?;
-            json!({"volume_id": name, "detached": true})
-        }
-        Command::Expand {
-            name,
-            size,
-            path,
-            staging,
-        } => {
-            let grown = controller_client()
-                .await?
-                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
-                    volume_id: name.clone(),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: size,
-                        limit_bytes: 0,
-                    }),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            let node = if grown.node_expansion_required {
-                Some(
-                    node_client()
-                        .await?
-                        .node_expand_volume(csi::NodeExpandVolumeRequest {
-                            volume_id: name.clone(),
-                            volume_path: path.display().to_string(),
-                            capacity_range: Some(csi::CapacityRange {
-                                required_bytes: size,
-                                limit_bytes: 0,
-                            }),
-                            staging_target_path: staging.display().to_string(),
-                            ..Default::default()
-                        })
-                        .await?
-                        .into_inner()
-                        .capacity_bytes,
-                )
-            } else {
-                None
-            };
-            json!({"volume_id": name, "controller_capacity_bytes": grown.capacity_bytes, "node_capacity_bytes": node})
-        }
-        Command::Stats { name, path } => {
-            let s = node_client()
-                .await?
-                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-                    volume_id: name.clone(),
-                    volume_path: path.display().to_string(),
-                    staging_target_path: String::new(),
-                })
-                .await?
-                .into_inner();
-            let usage: Vec<_> = s
-                .usage
-                .iter()
-                .map(|u| json!({"unit": u.unit().as_str_name(), "total": u.total, "used": u.used, "available": u.available}))
-                .collect();
-            let condition = s
-                .volume_condition
-                .map(|c| json!({"abnormal": c.abnormal, "message": c.message}));
-            json!({"volume_id": name, "usage": usage, "condition": condition})
-        }
-        Command::Delete { name } => {
-            controller_client()
-                .await?
-                .delete_volume(csi::DeleteVolumeRequest {
-                    volume_id: name.clone(),
-                    secrets: HashMap::new(),
-                })
-                .await?;
-            json!({"volume_id": name, "deleted": true})
-        }
-        Command::Device { name } => {
-            let nqn = pillar_nvmet::VolumeId::parse(&name)?.subsystem_nqn();
-            let devices = pillar_host::namespaces_for(&pillar_host::HostPaths::system(), &nqn)
-                .context("reading NVMe sysfs")?;
-            let paths: Vec<_> = devices
-                .iter()
-                .map(|d| d.dev_path.display().to_string())
-                .collect();
-            json!({"volume_id": name, "nqn": nqn.to_string(), "devices": paths})
-        }
-        Command::Kubelet(call) => kubelet_call(node_client().await?, call).await?,
+        Command::Info => info(&s).await?,
+        Command::Create(a) => create(&s, a).await?,
+        Command::Attach(a) => attach(&s, a).await?,
+        Command::Detach(a) => detach(&s, a).await?,
+        Command::Expand(a) => expand(&s, a).await?,
+        Command::Stats(a) => stats(&s, a).await?,
+        Command::Delete { name } => delete(&s, name).await?,
+        Command::Device { name } => device(name)?,
+        Command::Kubelet(call) => kubelet_call(s.node().await?, call).await?,
     };
     println!("{out}");
     Ok(())

@@ -212,25 +212,7 @@ impl Controller {
             .get_volume(&source)
             .await?
             .ok_or_else(|| ControllerError::VolumeNotFound(source.clone()))?;
-        let record = match self.store.get_snapshot(&name).await? {
-            Some(s) if s.spec.source_volume_id != source => {
-                return Err(ControllerError::SnapshotExists(
-                    name,
-                    s.spec.source_volume_id,
-                ));
-            }
-            Some(s) if s.status_or_default().deleting => {
-                if s.status_or_default().ready_to_use {
-                    return Err(ControllerError::SnapshotDeleting(name));
-                }
-                // A refused cut whose removal did not finish (or a delete of a snapshot never
-                // cut): finish it, then record the snapshot anew.
-                self.remove_snapshot(&s).await?;
-                self.record_snapshot(&name, &volume).await?
-            }
-            Some(s) => s,
-            None => self.record_snapshot(&name, &volume).await?,
-        };
+        let record = self.snapshot_record(&name, &source, &volume).await?;
         if record.status_or_default().ready_to_use {
             return Ok(csi::CreateSnapshotResponse {
                 snapshot: Some(csi_snapshot(&record)),
@@ -283,6 +265,36 @@ impl Controller {
         tracing::info!(snapshot = %name, source = %source, size = cut.size_bytes, method = %cut.method, "snapshot cut");
         Ok(csi::CreateSnapshotResponse {
             snapshot: Some(csi_snapshot(&after)),
+        })
+    }
+
+    /// The snapshot's record for a CreateSnapshot of `source`: the existing one, or a new one
+    /// recorded after finishing the removal of a refused, never-ready cut. A record of another
+    /// source, or a ready one being deleted, refuses the call.
+    async fn snapshot_record(
+        &self,
+        name: &str,
+        source: &str,
+        volume: &PillarVolumeState,
+    ) -> Result<PillarSnapshotState, ControllerError> {
+        Ok(match self.store.get_snapshot(name).await? {
+            Some(s) if s.spec.source_volume_id != *source => {
+                return Err(ControllerError::SnapshotExists(
+                    name.to_owned(),
+                    s.spec.source_volume_id,
+                ));
+            }
+            Some(s) if s.status_or_default().deleting => {
+                if s.status_or_default().ready_to_use {
+                    return Err(ControllerError::SnapshotDeleting(name.to_owned()));
+                }
+                // A refused cut whose removal did not finish (or a delete of a snapshot never
+                // cut): finish it, then record the snapshot anew.
+                self.remove_snapshot(&s).await?;
+                self.record_snapshot(name, volume).await?
+            }
+            Some(s) => s,
+            None => self.record_snapshot(name, volume).await?,
         })
     }
 
