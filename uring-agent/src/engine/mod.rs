@@ -212,6 +212,7 @@ impl FaultInjection {
     /// The environment variable a `fault-injection` build reads at start
     /// ([`from_env`](Self::from_env)): the kernel lane runs the agent binary with one fsync
     /// dropped to show that its crash-state check catches the broken order.
+    #[cfg(feature = "fault-injection")]
     pub const SKIP_FSYNC_ENV: &'static str = "PILLAR_AGENT_TEST_SKIP_FSYNC";
 
     /// `skip_fsync` when [`SKIP_FSYNC_ENV`](Self::SKIP_FSYNC_ENV) is `1`; nothing otherwise.
