@@ -6,7 +6,10 @@
 //! `std::fs` and nothing more. Tests pass a recorder (`record::Recorder`, feature `model`) that
 //! performs each operation on a real directory and logs it, and the crash-state model
 //! (`crash`, feature `model`) enumerates every state a power loss may leave of that log on ext4
-//! (data=ordered) and xfs, so each path's real reader can be run on each of them.
+//! (data=ordered) and xfs, so each path's real reader can be run on each of them. The real
+//! kernel's side of the same question: `logwrites` (feature `model`) reads and replays the log of
+//! the kernel's `dm-log-writes` target, so the kernel lane can rebuild every state a power loss
+//! leaves on a real ext4 or xfs.
 //!
 //! Invariants:
 //! - [`StdFs`] adds no behaviour of its own: each method is one `std::fs` call (or one
@@ -22,6 +25,8 @@ use std::sync::{Arc, OnceLock};
 
 #[cfg(feature = "model")]
 pub mod crash;
+#[cfg(feature = "model")]
+pub mod logwrites;
 #[cfg(feature = "model")]
 pub mod record;
 

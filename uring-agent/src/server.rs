@@ -131,11 +131,19 @@ pub async fn build_agent(
     config: &ServerConfig,
     metrics: &Arc<Metrics>,
 ) -> Result<Arc<Agent>, ServerError> {
+    let uring = UringConfig::default().with_batch_observer(metrics.batch_observer());
+    // A test build (feature `fault-injection`, never a release) may run with one fsync of
+    // every durable replace left out, for the kernel lane's broken-order control.
+    #[cfg(feature = "fault-injection")]
+    let (uring, sync) = {
+        let fault = crate::engine::FaultInjection::from_env();
+        (uring.with_fault(fault), SyncEngine::with_fault(fault))
+    };
+    #[cfg(not(feature = "fault-injection"))]
+    let sync = SyncEngine::new();
     let engine = Arc::new(match config.engine {
-        EngineKind::Uring => Engine::Uring(UringEngine::start(
-            UringConfig::default().with_batch_observer(metrics.batch_observer()),
-        )?),
-        EngineKind::Sync => Engine::Sync(SyncEngine::new()),
+        EngineKind::Uring => Engine::Uring(UringEngine::start(uring)?),
+        EngineKind::Sync => Engine::Sync(sync),
     });
     let (state_id, found) = StateIdentity::open(&config.state_dir)?;
     let marks = MarkStore::open(&config.state_dir)?;

@@ -72,6 +72,7 @@ async fn a_failure_at_each_step_leaves_old_or_new_never_torn() {
     for step in DurableStep::REPLACE {
         for engine in engines(FaultInjection {
             fail_at: Some(step),
+            ..FaultInjection::default()
         }) {
             let tmp = tempfile::tempdir().unwrap();
             let dir = DurableDir::open(tmp.path()).unwrap();
@@ -461,6 +462,7 @@ async fn a_failed_replace_leaves_no_temp_file() {
     for step in DurableStep::REPLACE {
         for engine in engines(FaultInjection {
             fail_at: Some(step),
+            ..FaultInjection::default()
         }) {
             let name = engine.name();
             let tmp = tempfile::tempdir().unwrap();

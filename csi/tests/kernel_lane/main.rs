@@ -49,15 +49,21 @@
 //! 13. zfs on the real OpenZFS module (the kernels it supports): create, export, I/O, online
 //!     expansion, snapshot, restore, clone through NVMe/TCP; deletes in every order, refused
 //!     while a snapshot or clone depends on the zvol
+//! 14. crash states: the agent's state directory on ext4 on a `dm-log-writes` device; fenced
+//!     operations, then every FLUSH, FUA and mark point of the log replayed onto a fresh device:
+//!     each record old or new, never torn or behind an acknowledged mark, and the restarted
+//!     agent fails closed; its control leaves out the temp file's fsync and is caught
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers), [`attach`] (NVMe/TCP attach of scenarios 12 and 13),
-//! [`reboot`] (the storage-node reboot of scenarios 3 and 4), and one module per scenario, named
+//! [`reboot`] (the storage-node reboot of scenarios 3 and 4), [`logwrites`] (scenario 14's
+//! log-writes device and replayed states), and one module per scenario, named
 //! as its test (libtest paths are `<scenario>::<scenario>`; name filters such as `s3_` match).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod attach;
 mod harness;
+mod logwrites;
 mod lvm;
 mod reboot;
 
@@ -65,6 +71,7 @@ mod s10_reservations;
 mod s11_density;
 mod s12_lvm_thin_snapshots;
 mod s13_zfs;
+mod s14_crash_states;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;

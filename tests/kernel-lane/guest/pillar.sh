@@ -11,7 +11,8 @@
 #   (two host identities in one guest see two devices; scenario 5).
 # - configfs, nvmet, nvmet-tcp, nvme-tcp, loop, ext4, xfs; configfs mounted; lo up.
 # - zfs (PILLAR_LANE_ZFS_USERLAND set by run.sh) for the ZFS scenario (s13).
-# - dm-mod and dm-thin-pool for the LVM scenario (s8; the host's lvm binaries run in the guest).
+# - dm-mod and dm-thin-pool for the LVM scenario (s8; the host's lvm binaries run in the guest),
+#   dm-log-writes for the crash-state scenario (s14; the host's dmsetup runs in the guest).
 #   There is no udevd in the guest: DM_DISABLE_UDEV=1 (inherited by the test binary, the agent
 #   and its lvm commands) makes libdevmapper and LVM create /dev/mapper/* and /dev/<vg>/<lv>
 #   themselves. Without it lvcreate fails ("/dev/<vg>/<lv>: not found: device not cleared").
@@ -40,8 +41,10 @@ else
 fi
 modprobe -a configfs nvmet nvmet-tcp nvme-tcp nvme-fabrics loop ext4 xfs || { say "modprobe failed"; exit 2; }
 say "modules loaded; nvme_core multipath=$(cat /sys/module/nvme_core/parameters/multipath)"
-# Only scenario 8 needs device-mapper: a kernel without it fails that scenario, not the others.
+# Only scenarios 8 and 12 (LVM) and 14 (dm-log-writes) need device-mapper: a kernel without it
+# fails those scenarios, not the others.
 modprobe -a dm-mod dm-thin-pool || say "WARNING: modprobe dm-mod dm-thin-pool failed: the LVM scenario will fail"
+modprobe dm-log-writes || say "WARNING: modprobe dm-log-writes failed: the crash-state scenario (s14) will fail"
 
 # ZFS for scenario 13, where run.sh found a module for this kernel: the userland unpacked by
 # setup.sh runs from the lane state; the ARC is kept small in the guest's 1 GiB.

@@ -197,11 +197,39 @@ impl EngineStats {
     }
 }
 
-/// Makes one step of every durable replace fail, to prove crash safety step by step. Only
-/// settable in builds with the `fault-injection` feature.
+/// Makes one step of every durable replace fail, to prove crash safety step by step, or leaves
+/// the temp file's fsync out of every replace (a broken write order, for showing that the
+/// crash-state checks catch it). Only settable in builds with the `fault-injection` feature.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FaultInjection {
     pub fail_at: Option<DurableStep>,
+    /// Leave out the fsync of the temp file ([`DurableStep::Fsync`]): the replace is answered
+    /// as durable although its data may not be.
+    pub skip_fsync: bool,
+}
+
+impl FaultInjection {
+    /// The environment variable a `fault-injection` build reads at start
+    /// ([`from_env`](Self::from_env)): the kernel lane runs the agent binary with one fsync
+    /// dropped to show that its crash-state check catches the broken order.
+    #[cfg(feature = "fault-injection")]
+    pub const SKIP_FSYNC_ENV: &'static str = "PILLAR_AGENT_TEST_SKIP_FSYNC";
+
+    /// `skip_fsync` when [`SKIP_FSYNC_ENV`](Self::SKIP_FSYNC_ENV) is `1`; nothing otherwise.
+    #[cfg(feature = "fault-injection")]
+    pub fn from_env() -> Self {
+        let skip_fsync = std::env::var(Self::SKIP_FSYNC_ENV).as_deref() == Ok("1");
+        if skip_fsync {
+            tracing::warn!(
+                "TEST ONLY: {} is set: every durable replace leaves out its file fsync",
+                Self::SKIP_FSYNC_ENV
+            );
+        }
+        Self {
+            fail_at: None,
+            skip_fsync,
+        }
+    }
 }
 
 /// Observer of io_uring submission batch sizes (SQEs per `io_uring_enter`), for metrics.

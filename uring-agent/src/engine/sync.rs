@@ -160,7 +160,9 @@ fn replace_blocking(
     file.write_all(contents)
         .map_err(|e| fail(DurableStep::Write, e))?;
     check(DurableStep::Fsync)?;
-    file.sync_all().map_err(|e| fail(DurableStep::Fsync, e))?;
+    if !fault.skip_fsync {
+        file.sync_all().map_err(|e| fail(DurableStep::Fsync, e))?;
+    }
     check(DurableStep::Close)?;
     drop(file);
     check(DurableStep::Rename)?;

@@ -158,12 +158,19 @@ impl Lab {
 
     /// Starts the agent on the kernel target; returns its client once it answers.
     pub(crate) async fn start_agent(&mut self, extra: &[&str]) -> AgentClient<Channel> {
+        self.spawn_agent(&self.agent_state(), extra, &[]);
+        AgentClient::new(channel(&self.dir.join("agent.sock")).await)
+    }
+
+    /// Starts the agent on the state directory `state`, with extra flags and environment
+    /// variables; does not wait for it (see [`Lab::agent_client`]).
+    pub(crate) fn spawn_agent(&mut self, state: &Path, extra: &[&str], env: &[(&str, &str)]) {
         let socket = self.dir.join("agent.sock");
         let _ = fs::remove_file(&socket);
         let engine = std::env::var("PILLAR_LANE_ENGINE").unwrap_or_else(|_| "io_uring".into());
         let mut args: Vec<String> = vec![
             "--state-dir".into(),
-            self.agent_state().display().to_string(),
+            state.display().to_string(),
             "--listen".into(),
             format!("unix://{}", socket.display()),
             "--engine".into(),
@@ -177,13 +184,13 @@ impl Lab {
             "--insecure-plaintext".into(),
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
-        self.agent = Some(Proc::spawn(
+        self.agent = Some(Proc::spawn_env(
             "agent",
             &agent_bin(),
             &args,
             &self.dir.join("logs/agent.log"),
+            env,
         ));
-        AgentClient::new(channel(&socket).await)
     }
 
     pub(crate) async fn agent_client(&self) -> AgentClient<Channel> {

@@ -40,6 +40,17 @@ pub(crate) struct Proc {
 
 impl Proc {
     pub(crate) fn spawn(name: &str, program: &Path, args: &[String], log: &Path) -> Self {
+        Self::spawn_env(name, program, args, log, &[])
+    }
+
+    /// [`spawn`](Self::spawn) with extra environment variables.
+    pub(crate) fn spawn_env(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> Self {
         let mut out = OpenOptions::new()
             .create(true)
             .append(true)
@@ -54,6 +65,7 @@ impl Proc {
                 "RUST_LOG",
                 std::env::var("PILLAR_LANE_RUST_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -97,6 +109,11 @@ impl Proc {
         }
         println!("  {} ignored SIGTERM for 15 s", self.name);
         self.kill();
+    }
+
+    /// Whether the process has ended (and its status).
+    pub(crate) fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 
     pub(crate) fn tail(&self, lines: usize) -> String {

@@ -169,6 +169,9 @@ pub(super) fn prepare(
     ];
     let mut chain = Builder::new();
     for (step, entry) in steps {
+        if step == DurableStep::Fsync && options.fault.skip_fsync {
+            continue;
+        }
         let write_len = (step == DurableStep::Write).then_some(data.len);
         let entry = or_injected(step, entry, options.fault);
         chain.add(step, entry, Flags::IO_LINK, write_len);
@@ -553,11 +556,34 @@ mod tests {
     }
 
     #[test]
+    fn a_skipped_fsync_leaves_only_the_temp_files_fsync_out() {
+        let (steps, got) = replace_opcodes(FaultInjection {
+            skip_fsync: true,
+            ..FaultInjection::default()
+        });
+        let mut want = DurableStep::REPLACE.to_vec();
+        want.retain(|s| *s != DurableStep::Fsync);
+        assert_eq!(steps, want);
+        assert_eq!(
+            got,
+            [
+                opcode::OpenAt::CODE,
+                opcode::Write::CODE,
+                opcode::Close::CODE,
+                opcode::RenameAt::CODE,
+                opcode::Fsync::CODE,
+            ],
+            "the directory fsync stays"
+        );
+    }
+
+    #[test]
     fn fault_injection_replaces_exactly_the_chosen_step() {
         let (_, clean) = replace_opcodes(FaultInjection::default());
         for (index, step) in DurableStep::REPLACE.into_iter().enumerate() {
             let (steps, got) = replace_opcodes(FaultInjection {
                 fail_at: Some(step),
+                ..FaultInjection::default()
             });
             assert_eq!(steps, DurableStep::REPLACE, "the plan is unchanged");
             for (i, (got, clean)) in got.iter().zip(&clean).enumerate() {
