@@ -807,8 +807,9 @@ mod tests {
                 }),
                 volume_id,
                 pool,
-                protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl }),
+                protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl, auth_none: true }),
                 allowed_host_nqns: hosts,
+                credentials: vec![],
             })
     }
 

@@ -17,6 +17,7 @@ fn revoke(uid: &str, generation: u64, volume: &str, h: u32) -> api::RevokeInitia
         token: token(uid, generation),
         volume_id: volume.into(),
         host_nqn: host(h),
+        credentials: None,
     }
 }
 
