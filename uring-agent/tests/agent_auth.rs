@@ -131,7 +131,11 @@ async fn a_grant_writes_the_keys_before_the_link_and_only_the_keyed_host_connect
             .await
             .expect_err("a malformed secret");
         assert_eq!(refused.code(), Code::InvalidArgument);
-        assert!(!refused.message().contains("c2VjcmV0"), "{}", refused.message());
+        assert!(
+            !refused.message().contains("c2VjcmV0"),
+            "{}",
+            refused.message()
+        );
 
         let secret = DhchapSecret::generate().unwrap();
         let double = ConfigfsDouble::create(a.dirs.configfs()).unwrap();

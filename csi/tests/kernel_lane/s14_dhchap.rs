@@ -65,7 +65,10 @@ fn connect(
 fn refused(what: &str, r: Result<pillar_host::Controller, HostError>) {
     match r {
         Ok(c) => panic!("{what}: connected as {}", c.name),
-        Err(e) => println!("  {what}: refused: {e} ({:?})", std::error::Error::source(&e)),
+        Err(e) => println!(
+            "  {what}: refused: {e} ({:?})",
+            std::error::Error::source(&e)
+        ),
     }
 }
 
@@ -83,10 +86,15 @@ fn write_read(dev: &Path, seed: u64) {
 }
 
 fn host_attr(host: &HostNqn, attr: &str) -> String {
-    fs::read_to_string(Path::new(NVMET).join("hosts").join(host.as_str()).join(attr))
-        .unwrap_or_default()
-        .trim()
-        .to_owned()
+    fs::read_to_string(
+        Path::new(NVMET)
+            .join("hosts")
+            .join(host.as_str())
+            .join(attr),
+    )
+    .unwrap_or_default()
+    .trim()
+    .to_owned()
 }
 
 /// Scenario 14, the agent alone with its own tokens. Where the kernel has authentication: the
@@ -163,12 +171,19 @@ async fn s14_dhchap() {
             .export(export(2, false))
             .await
             .expect_err("an export that requires DH-HMAC-CHAP on a kernel without it");
-        println!("  export requiring auth: {:?} {}", refusal.code(), refusal.message());
+        println!(
+            "  export requiring auth: {:?} {}",
+            refusal.code(),
+            refusal.message()
+        );
         assert_eq!(refusal.code(), Code::FailedPrecondition);
         assert_eq!(reason_of(&refusal), ErrorReason::AuthUnsupported);
         assert!(nvmet_is_empty(), "the refused export left configfs entries");
         sc.step("no dhchap_key on host entries: export requiring auth refused (FAILED_PRECONDITION, AUTH_UNSUPPORTED), nothing made");
-        agent.export(export(3, true)).await.expect("Export, auth_none");
+        agent
+            .export(export(3, true))
+            .await
+            .expect("Export, auth_none");
         agent
             .grant_initiator(grant(4, None))
             .await
@@ -181,7 +196,10 @@ async fn s14_dhchap() {
         ));
         delete_host_controllers(vol, &host);
     } else {
-        agent.export(export(2, false)).await.expect("Export, auth required");
+        agent
+            .export(export(2, false))
+            .await
+            .expect("Export, auth required");
         let bare = agent
             .grant_initiator(grant(3, None))
             .await
@@ -289,7 +307,9 @@ async fn s14_dhchap() {
             "the revoked node with its secret",
             connect(vol, &host, host_id, rotated.connect_auth()),
         );
-        sc.step("revoked: the host entry and its keys are gone; the node's secret no longer connects");
+        sc.step(
+            "revoked: the host entry and its keys are gone; the node's secret no longer connects",
+        );
     }
     agent
         .unexport(agent_api::UnexportRequest {

@@ -106,7 +106,9 @@ impl Lab {
         let auth = if kernel_has_auth() {
             ProtocolAuth::Dhchap
         } else {
-            println!("  this kernel has no NVMe in-band authentication: the protocol says auth: none");
+            println!(
+                "  this kernel has no NVMe in-band authentication: the protocol says auth: none"
+            );
             ProtocolAuth::None
         };
         let dir = lane_root().join(name);
@@ -431,7 +433,10 @@ impl Lab {
         match pillar_state::credentials::read(&dir, &node.name).expect("credentials readable") {
             Some(c) => HashMap::from([
                 (pillar_csi::context::SECRET_DHCHAP.to_owned(), c.secret),
-                (pillar_csi::context::SECRET_DHCHAP_CTRL.to_owned(), c.ctrl_secret),
+                (
+                    pillar_csi::context::SECRET_DHCHAP_CTRL.to_owned(),
+                    c.ctrl_secret,
+                ),
             ]),
             None => HashMap::new(),
         }
