@@ -23,7 +23,6 @@ fn revoke(uid: &str, generation: u64, volume: &str, h: u32) -> api::RevokeInitia
         token: token(uid, generation),
         volume_id: volume.into(),
         host_nqn: host(h),
-        credentials: None,
     }
 }
 
@@ -32,6 +31,7 @@ fn grant(uid: &str, generation: u64, volume: &str, h: u32) -> api::GrantInitiato
         token: token(uid, generation),
         volume_id: volume.into(),
         host_nqn: host(h),
+        credentials: None,
     }
 }
 
