@@ -21,9 +21,9 @@
 //!   kernel, so a plan that forgets identity is caught;
 //! - host entries of a kernel with authentication (the default; [`ConfigfsDouble::without_auth`]
 //!   models one without, like Debian's 6.1) have `dhchap_key`, `dhchap_ctrl_key`,
-//!   `dhchap_hash` (`hmac(sha256)`) and `dhchap_dhgroup` (`null`); a key must be a well-formed
-//!   DHHC-1 secret or empty (clears it), a hash or group one the kernel names: EINVAL
-//!   otherwise. Without authentication the attributes do not exist: a write is ENOENT. A host
+//!   `dhchap_hash` (`hmac(sha256)`) and `dhchap_dhgroup` (`null`); a key must start
+//!   `DHHC-1:<0-3>:` or be empty (clears it), a hash or group one the kernel names: EINVAL
+//!   otherwise (the key's body is checked only when a host authenticates, as on 7.2). Without authentication the attributes do not exist: a write is ENOENT. A host
 //!   whose entry has a key connects only presenting it (EACCES otherwise; with a controller
 //!   key the host must also check the target's, which the double takes as given).
 //!
@@ -333,7 +333,10 @@ impl ConfigfsDouble {
                 .join(crate::auth::DHCHAP_KEY);
             if let Ok(shown) = read_attr(&key) {
                 let presented = secret.map(|s| s.trim_end_matches(['\n', ':']));
-                if !shown.is_empty() && presented != Some(shown.trim_end_matches(':')) {
+                // A key the store took but that is no well-formed secret authenticates nobody.
+                let usable = crate::auth::DhchapSecret::parse(&shown).is_ok();
+                if !shown.is_empty() && (!usable || presented != Some(shown.trim_end_matches(':')))
+                {
                     return Err(errno(libc::EACCES));
                 }
             }
@@ -718,9 +721,19 @@ impl ConfigfsDouble {
                 if v.is_empty() {
                     return self.set(path, "");
                 }
-                let secret =
-                    crate::auth::DhchapSecret::parse(v).map_err(|_| errno(libc::EINVAL))?;
-                self.set(path, secret.expose())
+                // What the store checks on the lane's 7.2 (`s14_dhchap`): the prefix and a
+                // transform of 0-3 (`sscanf("DHHC-1:%hhd:%*s")`); the key itself (base64,
+                // length, CRC) only when a host authenticates, so a malformed one is taken here
+                // and fails every connect (`host_connects_with_secret`).
+                let rest = v
+                    .strip_prefix("DHHC-1:")
+                    .ok_or_else(|| errno(libc::EINVAL))?;
+                let (hh, body) = rest.split_once(':').ok_or_else(|| errno(libc::EINVAL))?;
+                let transform: u8 = hh.parse().map_err(|_| errno(libc::EINVAL))?;
+                if transform > 3 || body.trim().is_empty() {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, v)
             }
             DHCHAP_HASH => {
                 let hash = crate::auth::DhchapHash::parse(v).map_err(|_| errno(libc::EINVAL))?;
