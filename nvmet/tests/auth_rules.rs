@@ -92,7 +92,7 @@ fn host_entries_have_the_auth_attributes_only_where_the_kernel_has_authenticatio
 
 // proves K30
 #[test]
-fn the_double_takes_only_well_formed_secrets_and_known_names() {
+fn the_double_stores_keys_and_names_as_the_kernel_does() {
     let mut f = Fixture::new();
     let h = host(1).to_string();
     f.double
