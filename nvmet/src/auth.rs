@@ -420,7 +420,7 @@ fn base64_encode(data: &[u8]) -> String {
 /// RFC 4648 base64 with `=` padding (the kernel's `base64_decode`); `None` on anything else.
 fn base64_decode(text: &str) -> Option<Vec<u8>> {
     let bytes = text.as_bytes();
-    if bytes.is_empty() || bytes.len() % 4 != 0 {
+    if bytes.is_empty() || !bytes.len().is_multiple_of(4) {
         return None;
     }
     let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
@@ -436,7 +436,8 @@ fn base64_decode(text: &str) -> Option<Vec<u8>> {
             n = (n << 6) | u32::try_from(v).ok()?;
         }
         n <<= 6 * pad;
-        let three = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        let [_, a, b, c] = n.to_be_bytes();
+        let three = [a, b, c];
         out.extend_from_slice(&three[..3 - pad]);
     }
     Some(out)
@@ -459,8 +460,8 @@ mod tests {
 
     #[test]
     fn base64_round_trips_every_length() {
-        for len in 0..70 {
-            let data: Vec<u8> = (0..len).map(|i| (i * 37) as u8).collect();
+        for len in 0u8..70 {
+            let data: Vec<u8> = (0..len).map(|i| i.wrapping_mul(37)).collect();
             if len == 0 {
                 continue;
             }

@@ -563,12 +563,10 @@ impl ConfigfsDouble {
         if path.is_dir() {
             return Err(errno(libc::EISDIR));
         }
-        if let Place::HostAttr(..) = classify(rel) {
-            if !path.is_file() {
-                // The attribute does not exist (a kernel without authentication): opening it
-                // for writing without O_CREAT fails.
-                return Err(errno(libc::ENOENT));
-            }
+        if matches!(classify(rel), Place::HostAttr(..)) && !path.is_file() {
+            // The attribute does not exist (a kernel without authentication): opening it for
+            // writing without O_CREAT fails.
+            return Err(errno(libc::ENOENT));
         }
         if !path.is_file() {
             // configfs directories have no ->create: opening a new file fails.

@@ -46,7 +46,7 @@
 //! 12. lvm-thin snapshots: data written through NVMe/TCP, a snapshot cut with the host
 //!     connected, more writes; a restore holds exactly the data at the cut, a clone the data
 //!     after; deletes in the orders thin LVM allows, refusals where the rules forbid
-//! 14. DH-HMAC-CHAP (W10): without a secret or with a wrong one the node's NQN is refused, with
+//! 14. (s14) DH-HMAC-CHAP (W10): without a secret or with a wrong one the node's NQN is refused, with
 //!     it the node connects and does I/O; rotation with the controller live; a revoked secret
 //!     no longer connects; without kernel support the export requiring it is refused
 //! 13. zfs on the real OpenZFS module (the kernels it supports): create, export, I/O, online
