@@ -438,8 +438,8 @@ pub struct NvmeTcp {
     // W10.
     /// `dhchap` (default): every admitted host proves its own DH-HMAC-CHAP secret, and the
     /// target proves its controller secret back; an export is refused on a storage node whose
-    /// kernel has no NVMe in-band authentication. `none`: hosts are admitted on their NQN alone,
-    /// shown on each published volume as the condition `AuthDisabled` and a Warning event.
+    /// kernel has no NVMe in-band authentication. `none`: hosts are admitted on their NQN alone
+    /// (the controller logs a warning at each publication).
     #[serde(default)]
     pub auth: ProtocolAuth,
     /// `ctrl_loss_tmo` in seconds passed at connect; default 600, the kernel's and nvme-cli's own
