@@ -53,8 +53,10 @@ fn export_request(volume: &str, hosts: &[String]) -> api::ExportRequest {
         protocol: Some(api::ExportProtocol {
             service: SERVICE,
             acl: true,
+            auth_none: true,
         }),
         allowed_host_nqns: hosts.to_vec(),
+        credentials: vec![],
     }
 }
 
@@ -263,6 +265,7 @@ pub async fn grant_or_revoke(
                 token: token(volume, generation),
                 volume_id: volume.to_owned(),
                 host_nqn: host(1),
+                credentials: None,
             })
             .await?;
     } else {

@@ -23,3 +23,13 @@ pub const LOCAL_DEVICE: &str = "pillar.io/localDevice";
 /// published readonly): the node stages the volume read-only (N5), so two nodes never mount one
 /// filesystem read-write.
 pub const READ_ONLY: &str = "pillar.io/readOnly";
+/// `"dhchap"` when the export requires NVMe in-band authentication (W10): the node connects
+/// with its own secrets, which come in NodeStageVolume's `secrets` (never here), and refuses to
+/// stage without them. `"none"`: the protocol opted out (`auth: none`).
+pub const AUTH: &str = "pillar.io/auth";
+
+/// Keys of NodeStageVolume's `secrets` (kubelet fills them from the PV's node-stage Secret): the
+/// node's DH-HMAC-CHAP secret and the controller secret it checks the target with.
+pub const SECRET_DHCHAP: &str = "dhchapSecret";
+/// See [`SECRET_DHCHAP`].
+pub const SECRET_DHCHAP_CTRL: &str = "dhchapCtrlSecret";

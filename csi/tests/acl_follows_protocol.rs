@@ -10,7 +10,7 @@ mod support;
 use pillar_nvmet::ConfigfsDouble;
 use pillar_state::condition::{ACL_DISABLED, ConditionStatus, find_condition};
 use pillar_state::store::Revision;
-use support::{Env, Mode, StoreKind, create, host, nqn, publish, unpublish};
+use support::{Env, Mode, StoreKind, create, host, node_secret, nqn, publish, unpublish};
 
 const STORES: [StoreKind; 2] = [StoreKind::Embedded, StoreKind::Kube];
 
@@ -106,7 +106,15 @@ async fn the_target_follows_the_protocol_acl_and_the_condition_says_what_it_enfo
             double.host_connects(&nqn("flip"), &host(1), port).is_err(),
             "{kind:?}: the lost node can connect again"
         );
-        double.host_connects(&nqn("flip"), &host(2), port).unwrap();
+        // W10: on the embedded store node 2 proves its secret.
+        double
+            .host_connects_with_secret(
+                &nqn("flip"),
+                &host(2),
+                port,
+                node_secret(&env, 2).as_deref(),
+            )
+            .unwrap();
         assert_eq!(
             acl_condition(&env, "flip").await,
             Some((ConditionStatus::False, "ProtocolAclOn".into())),

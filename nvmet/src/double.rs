@@ -18,7 +18,14 @@
 //!   default group: EPERM; mkdir where configfs has no group: EPERM;
 //! - links are stored relative (`readlink` gives `../../../...`), as configfs returns them;
 //! - new namespaces get a random UUID and a zero NGUID, new subsystems a random serial, like the
-//!   kernel, so a plan that forgets identity is caught.
+//!   kernel, so a plan that forgets identity is caught;
+//! - host entries of a kernel with authentication (the default; [`ConfigfsDouble::without_auth`]
+//!   models one without, like Debian's 6.1) have `dhchap_key`, `dhchap_ctrl_key`,
+//!   `dhchap_hash` (`hmac(sha256)`) and `dhchap_dhgroup` (`null`); a key must start
+//!   `DHHC-1:<0-3>:` or be empty (clears it), a hash or group one the kernel names: EINVAL
+//!   otherwise (the key's body is checked only when a host authenticates, as on 7.2). Without authentication the attributes do not exist: a write is ENOENT. A host
+//!   whose entry has a key connects only presenting it (EACCES otherwise; with a controller
+//!   key the host must also check the target's, which the double takes as given).
 //!
 //! It also models host controllers, the part of the kernel a tree cannot show: a host connects
 //! through a port only while the subsystem is linked to it and the host is admitted; unlinking
@@ -49,6 +56,10 @@ const OPS_LOG: &str = "ops.log";
 /// Under [`PRIVATE_DIR`]: present when the double models a kernel with NVMe reservations.
 const RESERVATIONS: &str = "reservations";
 
+/// Under [`PRIVATE_DIR`]: present when the double models a kernel without NVMe in-band
+/// authentication (no `dhchap_*` attributes on host entries).
+const NO_AUTH: &str = "no-auth";
+
 /// Under [`PRIVATE_DIR`]: live host controllers, as `controllers/<port>/<subsystem>/<host>`.
 const CONTROLLERS: &str = "controllers";
 
@@ -63,6 +74,7 @@ const PORT_LINKS: &str = "port-links";
 pub struct ConfigfsDouble {
     root: PathBuf,
     reservations: bool,
+    auth: bool,
 }
 
 fn errno(code: i32) -> io::Error {
@@ -85,6 +97,7 @@ enum Place<'a> {
     PortSubsystemLink(&'a str, &'a str),
     PortChild,
     Host(&'a str),
+    HostAttr(&'a str, &'a str),
     Other,
 }
 
@@ -113,6 +126,7 @@ fn classify(path: &Path) -> Place<'_> {
         [PORTS, _, "ana_groups", "1"] => Place::PortDefaultGroup,
         [PORTS, ..] => Place::PortChild,
         [HOSTS, h] => Place::Host(h),
+        [HOSTS, h, a] => Place::HostAttr(h, a),
         _ => Place::Other,
     }
 }
@@ -199,7 +213,26 @@ impl ConfigfsDouble {
         }
         fs::create_dir_all(root.join(PRIVATE_DIR).join("discovered"))?;
         let reservations = root.join(PRIVATE_DIR).join(RESERVATIONS).exists();
-        Ok(Self { root, reservations })
+        let auth = !root.join(PRIVATE_DIR).join(NO_AUTH).exists();
+        Ok(Self {
+            root,
+            reservations,
+            auth,
+        })
+    }
+
+    /// Models a kernel without NVMe in-band authentication (`CONFIG_NVME_TARGET_AUTH` not set,
+    /// like Debian bookworm's 6.1): host entries have no `dhchap_*` attributes. Kept on disk for
+    /// every handle on the same root, like [`Self::with_reservations`].
+    #[must_use]
+    pub fn without_auth(mut self) -> Self {
+        self.auth = false;
+        let _ = fs::write(self.root.join(PRIVATE_DIR).join(NO_AUTH), b"");
+        self
+    }
+
+    fn auth_modelled(&self) -> bool {
+        self.auth && !self.root.join(PRIVATE_DIR).join(NO_AUTH).exists()
     }
 
     /// Models a kernel with NVMe reservations (`resv_enable` on namespaces, Linux >= 6.13), for
@@ -254,6 +287,20 @@ impl ConfigfsDouble {
     /// by `allow_any_host` or `allowed_hosts` (else EACCES, the kernel's "invalid host"). A
     /// connected host has identified the subsystem.
     pub fn host_connects(&self, nqn: &str, host: &str, port: u16) -> io::Result<()> {
+        self.host_connects_with_secret(nqn, host, port, None)
+    }
+
+    /// [`Self::host_connects`] by a host presenting `secret` (the fabrics option
+    /// `dhchap_secret`): where the host entry has a `dhchap_key`, the connect succeeds only when
+    /// the host presents exactly that secret (EACCES otherwise: the kernel's failed
+    /// authentication); where it has none, any host the ACL admits connects.
+    pub fn host_connects_with_secret(
+        &self,
+        nqn: &str,
+        host: &str,
+        port: u16,
+        secret: Option<&str>,
+    ) -> io::Result<()> {
         let port = port.to_string();
         let linked = self
             .root
@@ -275,6 +322,24 @@ impl ConfigfsDouble {
             .is_ok();
         if !any && !allowed {
             return Err(errno(libc::EACCES));
+        }
+        // The kernel looks up the host entry's key only for a subsystem with an ACL
+        // (`nvmet_setup_auth` skips `allow_any_host` subsystems).
+        if !any {
+            let key = self
+                .root
+                .join(HOSTS)
+                .join(host)
+                .join(crate::auth::DHCHAP_KEY);
+            if let Ok(shown) = read_attr(&key) {
+                let presented = secret.map(|s| s.trim_end_matches(['\n', ':']));
+                // A key the store took but that is no well-formed secret authenticates nobody.
+                let usable = crate::auth::DhchapSecret::parse(&shown).is_ok();
+                if !shown.is_empty() && (!usable || presented != Some(shown.trim_end_matches(':')))
+                {
+                    return Err(errno(libc::EACCES));
+                }
+            }
         }
         let dir = self.controllers_dir().join(&port).join(nqn);
         fs::create_dir_all(&dir)?;
@@ -474,7 +539,20 @@ impl ConfigfsDouble {
                 }
                 Ok(())
             }
-            Place::Host(_) => fs::create_dir(&path),
+            Place::Host(_) => {
+                fs::create_dir(&path)?;
+                if self.auth_modelled() {
+                    for (attr, value) in [
+                        (crate::auth::DHCHAP_KEY, ""),
+                        (crate::auth::DHCHAP_CTRL_KEY, ""),
+                        (crate::auth::DHCHAP_HASH, "hmac(sha256)"),
+                        (crate::auth::DHCHAP_DHGROUP, "null"),
+                    ] {
+                        self.set(&path.join(attr), value)?;
+                    }
+                }
+                Ok(())
+            }
             // Configfs has no make_group there: "Lack-of-mkdir returns -EPERM".
             _ => Err(errno(libc::EPERM)),
         }
@@ -484,6 +562,11 @@ impl ConfigfsDouble {
         let path = self.at(rel)?;
         if path.is_dir() {
             return Err(errno(libc::EISDIR));
+        }
+        if matches!(classify(rel), Place::HostAttr(..)) && !path.is_file() {
+            // The attribute does not exist (a kernel without authentication): opening it for
+            // writing without O_CREAT fails.
+            return Err(errno(libc::ENOENT));
         }
         if !path.is_file() {
             // configfs directories have no ->create: opening a new file fails.
@@ -590,6 +673,7 @@ impl ConfigfsDouble {
                 }
                 _ => Err(errno(libc::EACCES)),
             },
+            Place::HostAttr(_, attr) => self.write_host_attr(&path, attr, value),
             Place::PortAttr(port, attr) => {
                 if self.port_linked(port)? {
                     return Err(errno(libc::EACCES));
@@ -620,6 +704,45 @@ impl ConfigfsDouble {
                     _ => return Err(errno(libc::EACCES)),
                 };
                 self.set(&path, v)
+            }
+            _ => Err(errno(libc::EACCES)),
+        }
+    }
+
+    /// A host entry's authentication attribute, as `nvmet_auth_set_key`,
+    /// `nvmet_host_dhchap_hash_store` and `nvmet_host_dhchap_dhgroup_store` take it.
+    fn write_host_attr(&self, path: &Path, attr: &str, value: &str) -> io::Result<()> {
+        use crate::auth::{DHCHAP_CTRL_KEY, DHCHAP_DHGROUP, DHCHAP_HASH, DHCHAP_KEY};
+        let v = value.strip_suffix('\n').unwrap_or(value);
+        match attr {
+            DHCHAP_KEY | DHCHAP_CTRL_KEY => {
+                if v.is_empty() {
+                    return self.set(path, "");
+                }
+                // What the store checks on the lane's 7.2 (`s14_dhchap`): the prefix and a
+                // transform of 0-3 (`sscanf("DHHC-1:%hhd:%*s")`); the key itself (base64,
+                // length, CRC) only when a host authenticates, so a malformed one is taken here
+                // and fails every connect (`host_connects_with_secret`).
+                let rest = v
+                    .strip_prefix("DHHC-1:")
+                    .ok_or_else(|| errno(libc::EINVAL))?;
+                let (hh, body) = rest.split_once(':').ok_or_else(|| errno(libc::EINVAL))?;
+                let transform: u8 = hh.parse().map_err(|_| errno(libc::EINVAL))?;
+                if transform > 3 || body.trim().is_empty() {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, v)
+            }
+            DHCHAP_HASH => {
+                let hash = crate::auth::DhchapHash::parse(v).map_err(|_| errno(libc::EINVAL))?;
+                if !v.starts_with("hmac(") {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, hash.kernel_name())
+            }
+            DHCHAP_DHGROUP => {
+                let group = crate::auth::DhGroup::parse(v).map_err(|_| errno(libc::EINVAL))?;
+                self.set(path, group.kernel_name())
             }
             _ => Err(errno(libc::EACCES)),
         }

@@ -10,10 +10,12 @@
 //!   obey the kernel's rules.
 //! - `exec`: a synchronous executor and the read-back check.
 //! - `target_model`: an in-memory model of the whole tree that plans from a view.
+//! - `auth`: DH-HMAC-CHAP secrets and the host entries' authentication attributes.
 //! - `double`: a configfs test double that refuses what the kernel refuses.
 //!
 //! Nothing here talks to io_uring or gRPC: the agent builds on these types.
 
+mod auth;
 mod double;
 mod exec;
 mod identity;
@@ -22,6 +24,11 @@ mod names;
 mod plan;
 mod target_model;
 
+pub use auth::{
+    AuthError, AuthPlanError, DHCHAP_CTRL_KEY, DHCHAP_DHGROUP, DHCHAP_HASH, DHCHAP_KEY, DhGroup,
+    DhchapHash, DhchapSecret, HostAuth, ObservedHostAuth, ShownSecret, auth_supported_by_entries,
+    host_attr, observe_host_auth, plan_host_auth,
+};
 pub use double::ConfigfsDouble;
 pub use exec::{
     ApplyError, Executor, KernelExecutor, Mismatch, VerifyError, apply, verify, verify_acl,

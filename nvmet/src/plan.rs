@@ -36,8 +36,9 @@ use crate::model::{
 };
 use crate::names::{NamespaceId, PortId, SubsystemNqn};
 
-/// One primitive configfs operation. Paths are relative to the nvmet root.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One primitive configfs operation. Paths are relative to the nvmet root. `Debug` and
+/// `Display` show no secret: a write to a host entry's key attribute prints `<redacted>`.
+#[derive(Clone, PartialEq, Eq)]
 pub enum Op {
     Mkdir {
         path: PathBuf,
@@ -73,10 +74,40 @@ impl Op {
     }
 }
 
+impl fmt::Debug for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Mkdir { path } => f.debug_struct("Mkdir").field("path", path).finish(),
+            Self::Write { path, value } => {
+                let mut d = f.debug_struct("Write");
+                d.field("path", path);
+                if crate::auth::is_secret_attribute(path) && !value.is_empty() {
+                    d.field("value", &format_args!("<redacted>"));
+                } else {
+                    d.field("value", value);
+                }
+                d.finish()
+            }
+            Self::Symlink { target, link } => f
+                .debug_struct("Symlink")
+                .field("target", target)
+                .field("link", link)
+                .finish(),
+            Self::Unlink { path } => f.debug_struct("Unlink").field("path", path).finish(),
+            Self::Rmdir { path } => f.debug_struct("Rmdir").field("path", path).finish(),
+        }
+    }
+}
+
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Mkdir { path } => write!(f, "mkdir {}", path.display()),
+            Self::Write { path, value }
+                if crate::auth::is_secret_attribute(path) && !value.is_empty() =>
+            {
+                write!(f, "write {}=<redacted>", path.display())
+            }
             Self::Write { path, value } => write!(f, "write {}={value:?}", path.display()),
             Self::Symlink { target, link } => {
                 write!(f, "symlink {} -> {}", link.display(), target.display())

@@ -40,6 +40,8 @@ struct Objects {
 pub struct SimStore {
     objects: Mutex<Objects>,
     chaos: Chaos,
+    /// Nodes' DH-HMAC-CHAP credentials (W10), made on first use as the embedded store does.
+    credentials: std::sync::Mutex<BTreeMap<String, pillar_state::credentials::NodeCredentials>>,
 }
 
 impl fmt::Debug for SimStore {
@@ -144,6 +146,7 @@ impl SimStore {
         Arc::new(Self {
             objects: Mutex::new(Objects::default()),
             chaos,
+            credentials: std::sync::Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -305,6 +308,26 @@ impl StateStore for SimStore {
     // keeps none.
     async fn record_volume_event(&self, _event: &VolumeEvent) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    async fn node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<pillar_state::credentials::NodeCredentials, StoreError> {
+        let mut map = self
+            .credentials
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = map.get(node).filter(|c| c.host_nqn == host_nqn) {
+            return Ok(c.clone());
+        }
+        let c =
+            pillar_state::credentials::NodeCredentials::generate(node, host_nqn).map_err(|e| {
+                StoreError::Embedded(pillar_state::embedded::EmbeddedError::Credentials(e))
+            })?;
+        map.insert(node.to_owned(), c.clone());
+        Ok(c)
     }
 }
 
@@ -504,5 +527,13 @@ impl StateStore for ReplicaStore {
     }
     async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
         self.inner.record_volume_event(event).await
+    }
+
+    async fn node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<pillar_state::credentials::NodeCredentials, StoreError> {
+        self.inner.node_credentials(node, host_nqn).await
     }
 }

@@ -7,7 +7,7 @@
 //! `pillar_agent_api::error_status`): [`reason_of`] is the table from agent errors to reasons,
 //! and the reason fixes the gRPC code.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::error::Error as _;
 use std::num::NonZeroU16;
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use crate::fence::{MarkError, Rejection, Token};
 use crate::hooks::Hooks;
 use crate::metrics::Metrics;
 use crate::service::{Agent, AgentError, ExportRequest, Protocol, Readiness, VolumeSize};
+use pillar_nvmet::HostAuth;
 use crate::target::TargetError;
 
 /// The reason of every agent error. Changing a row changes the controller's behaviour.
@@ -78,6 +79,7 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
         AgentError::Task(_) => R::AgentFailed,
         AgentError::SourceNotLive { .. } => R::SourceNotLive,
         AgentError::SourceInUse { .. } => R::SourceInUse,
+        AgentError::AuthUnsupported { .. } => R::AuthUnsupported,
         AgentError::UnmarkedSnapshot { .. } => R::BackendRefused,
     }
 }
@@ -185,20 +187,81 @@ fn protocol(raw: Option<api::ExportProtocol>) -> Result<Protocol, AgentError> {
     Ok(Protocol {
         service,
         acl: raw.acl,
+        auth: raw.acl && !raw.auth_none,
     })
 }
 
+/// A host's credentials; the messages name the field, never the secret.
+fn credentials(
+    field: &'static str,
+    raw: api::HostCredentials,
+) -> Result<(HostNqn, HostAuth), AgentError> {
+    use pillar_nvmet::{DhGroup, DhchapHash, DhchapSecret};
+    let host = host_nqn(field, &raw.host_nqn)?;
+    let secret =
+        DhchapSecret::parse(&raw.dhchap_secret).map_err(|e| invalid(field, e.to_string()))?;
+    let ctrl_secret = if raw.dhchap_ctrl_secret.is_empty() {
+        None
+    } else {
+        Some(
+            DhchapSecret::parse(&raw.dhchap_ctrl_secret)
+                .map_err(|e| invalid(field, format!("controller secret: {e}")))?,
+        )
+    };
+    let hash = if raw.hash.is_empty() {
+        DhchapHash::default()
+    } else {
+        DhchapHash::parse(&raw.hash).map_err(|e| invalid(field, e.to_string()))?
+    };
+    let dhgroup = if raw.dhgroup.is_empty() {
+        DhGroup::default()
+    } else {
+        DhGroup::parse(&raw.dhgroup).map_err(|e| invalid(field, e.to_string()))?
+    };
+    Ok((
+        host,
+        HostAuth {
+            secret,
+            ctrl_secret,
+            hash,
+            dhgroup,
+        },
+    ))
+}
+
 fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
+    let protocol = protocol(r.protocol)?;
+    let allowed_hosts = r
+        .allowed_host_nqns
+        .iter()
+        .map(|h| host_nqn("allowed_host_nqns", h))
+        .collect::<Result<BTreeSet<_>, _>>()?;
+    let mut creds = BTreeMap::new();
+    for raw in r.credentials {
+        let (host, auth) = credentials("credentials", raw)?;
+        if !allowed_hosts.contains(&host) {
+            return Err(invalid(
+                "credentials",
+                format!("{host} is not among allowed_host_nqns"),
+            ));
+        }
+        creds.insert(host, auth);
+    }
+    if protocol.auth {
+        if let Some(missing) = allowed_hosts.iter().find(|h| !creds.contains_key(*h)) {
+            return Err(invalid(
+                "credentials",
+                format!("the export requires DH-HMAC-CHAP and {missing} has no credentials"),
+            ));
+        }
+    }
     Ok(ExportRequest {
         token: token(r.token),
         volume: volume_id(&r.volume_id)?,
         pool: r.pool,
-        protocol: protocol(r.protocol)?,
-        allowed_hosts: r
-            .allowed_host_nqns
-            .iter()
-            .map(|h| host_nqn("allowed_host_nqns", h))
-            .collect::<Result<BTreeSet<_>, _>>()?,
+        protocol,
+        allowed_hosts,
+        credentials: creds,
     })
 }
 
@@ -551,8 +614,21 @@ impl api::agent_server::Agent for AgentService {
         self.call("GrantInitiator", &r.volume_id.clone(), async move {
             let volume = volume_id(&r.volume_id)?;
             let host = host_nqn("host_nqn", &r.host_nqn)?;
+            let creds = match r.credentials {
+                None => None,
+                Some(raw) => {
+                    let (named, auth) = credentials("credentials", raw)?;
+                    if named != host {
+                        return Err(invalid(
+                            "credentials.host_nqn",
+                            format!("names {named}, not the granted {host}"),
+                        ));
+                    }
+                    Some(auth)
+                }
+            };
             to_the_end(self.agent.hooks(), async move {
-                agent.grant(token(r.token), &volume, &host).await
+                agent.grant(token(r.token), &volume, &host, creds).await
             })
             .await?;
             Ok(api::GrantInitiatorResponse {})
@@ -731,8 +807,9 @@ mod tests {
                 }),
                 volume_id,
                 pool,
-                protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl }),
+                protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl, auth_none: true }),
                 allowed_host_nqns: hosts,
+                credentials: vec![],
             })
     }
 

@@ -37,7 +37,7 @@ use pillar_nvmet::{
     SubsystemNqn, VolumeId, plan_acl, plan_cut_connections, plan_export, plan_links,
     plan_revalidate, plan_unexport, verify, verify_acl, verify_links, volume_export,
 };
-use pillar_nvmet::{Op, Released, TargetState};
+use pillar_nvmet::{HostAuth, Op, Released, TargetState};
 use tokio::sync::RwLock;
 
 use crate::backend::{Backend, BackendError, Capacity, MAX_VOLUME_BYTES, VolumeInfo};
@@ -51,6 +51,7 @@ use crate::target::{IdentityRecord, Target, TargetError, TargetGuard, touches_sh
 /// chains and mark writes into shared submissions and group commits.
 const RESYNC_IN_FLIGHT: usize = 64;
 
+mod auth;
 mod loss;
 mod snapshot;
 
@@ -122,6 +123,13 @@ pub enum AgentError {
     )]
     SourceInUse { volume: String, pool: String },
     #[error(
+        "volume {volume}'s export requires DH-HMAC-CHAP, but this node's kernel has no NVMe \
+         in-band authentication (host entries have no dhchap_key: CONFIG_NVME_TARGET_AUTH is \
+         not set): refusing rather than admitting hosts on their NQN alone; set `auth: none` \
+         on the PillarProtocol to opt out (visibly), or serve the pool from a kernel with it"
+    )]
+    AuthUnsupported { volume: String },
+    #[error(
         "snapshot {snapshot} exists in the pool but has no fencing mark (the agent's state was \
          lost?); refusing to adopt it"
     )]
@@ -144,6 +152,8 @@ pub struct Protocol {
     /// The TCP service hosts connect to; also the nvmet port ID.
     pub service: NonZeroU16,
     pub acl: bool,
+    /// With `acl`: every admitted host must authenticate (DH-HMAC-CHAP, W10).
+    pub auth: bool,
 }
 
 /// A volume size the backends accept: 1 byte to [`MAX_VOLUME_BYTES`].
@@ -171,6 +181,8 @@ pub struct ExportRequest {
     pub protocol: Protocol,
     /// With `acl`, the hosts admitted from the start.
     pub allowed_hosts: BTreeSet<HostNqn>,
+    /// With `acl` and `auth`, the credentials of each allowed host.
+    pub credentials: BTreeMap<HostNqn, HostAuth>,
 }
 
 /// The result of an export.
@@ -234,6 +246,11 @@ pub struct Agent {
     /// them, whatever links a failed cut left. In memory only: after a restart, the resync
     /// re-exports (and relinks) every export before any grant is served.
     export_ports: std::sync::Mutex<BTreeMap<VolumeId, Ports>>,
+    /// Whether each export requires authentication, as its last Export or resync asked (W10):
+    /// a grant on one that does must carry credentials. In memory, like `export_ports`.
+    export_auth: std::sync::Mutex<BTreeMap<VolumeId, bool>>,
+    /// Whether the kernel has NVMe in-band authentication, once looked at (`auth`).
+    auth_supported: std::sync::OnceLock<bool>,
     boot_id: String,
     /// The state directory's identity (C6).
     state_id: crate::state::StateIdentity,
@@ -281,6 +298,8 @@ impl Agent {
             readiness: RwLock::new(Readiness::WaitingForResync),
             unrestored: std::sync::Mutex::new(BTreeSet::new()),
             export_ports: std::sync::Mutex::new(BTreeMap::new()),
+            export_auth: std::sync::Mutex::new(BTreeMap::new()),
+            auth_supported: std::sync::OnceLock::new(),
             boot_id: uuid::Uuid::new_v4().to_string(),
             state_id,
             unmarked: std::sync::Mutex::new(BTreeSet::new()),
@@ -550,6 +569,11 @@ impl Agent {
         let backend = self.pool(&request.pool)?;
         let _lock = self.lock_volume(volume).await;
         let decision = self.check(volume, request.token.as_ref(), intent).await?;
+        let auth = request.protocol.acl && request.protocol.auth;
+        if auth {
+            // W10: refused before anything changes, the mark included.
+            self.require_auth_support(volume).await?;
+        }
         let info = backend
             .lookup(volume)
             .await?
@@ -574,6 +598,12 @@ impl Agent {
         self.commit(volume, decision).await?;
         self.export_ports_map()
             .insert(volume.clone(), spec.ports.clone());
+        self.remember_export_auth(volume, Some(auth));
+        let creds = if auth {
+            request.credentials.clone()
+        } else {
+            BTreeMap::new()
+        };
         let nqn = spec.nqn.clone();
         // A resync plans from the model its own full read loaded (one read for the node, not
         // one per export); the read-back below checks every export against the kernel.
@@ -593,10 +623,14 @@ impl Agent {
                     // otherwise, whatever the ACL says.
                     let closes = matches!(spec.access, HostAccess::Only(_))
                         && view.subsystem(&nqn).is_some_and(|s| s.allow_any_host);
-                    let plan = plan_export(view, &spec).map_err(|source| AgentError::Plan {
+                    let mut plan = plan_export(view, &spec).map_err(|source| AgentError::Plan {
                         volume: volume.to_string(),
                         source,
                     })?;
+                    let (ops, at) =
+                        self.with_host_keys(volume, plan.ops, plan.replan_after, &creds)?;
+                    plan.ops = ops;
+                    plan.replan_after = at;
                     Ok((plan, closes))
                 },
                 |(plan, _)| &plan.ops,
@@ -627,7 +661,7 @@ impl Agent {
                 volume: volume.to_string(),
                 source,
             })?;
-            ops = rest.ops;
+            ops = self.with_host_keys(volume, rest.ops, None, &creds)?.0;
             live_without_reservations = rest.live_without_reservations;
         }
         if !live_without_reservations.is_empty() {
@@ -640,6 +674,7 @@ impl Agent {
         if !self.settings.kernel_random_identity {
             verify(&after, &plan.effective)?;
         }
+        self.verify_host_keys(&creds)?;
         if closes {
             // Unlinking the subsystem from its ports deletes its controllers; only the hosts
             // the ACL now admits reconnect.
@@ -701,20 +736,39 @@ impl Agent {
         self.target.release(nqn.as_str(), &released, &after).await?;
         self.target.forget_identity(volume).await?;
         self.export_ports_map().remove(volume);
+        self.remember_export_auth(volume, None);
         self.unrestored_set().remove(volume);
         tracing::info!(%volume, "unexported");
         Ok(())
     }
 
-    /// Admits a host (with `acl`; without it any host is admitted already).
+    /// Admits a host (with `acl`; without it any host is admitted already). With `creds` its
+    /// host entry gets the keys first (or new keys: a rotation); an export that requires
+    /// authentication refuses a grant without them (W10).
     pub async fn grant(
         &self,
         token: Option<Token>,
         volume: &VolumeId,
         host: &HostNqn,
+        creds: Option<HostAuth>,
     ) -> Result<(), AgentError> {
         self.ensure_serving().await?;
-        self.change_acl(token, volume, host, Intent::Grant).await
+        if creds.is_none() && self.export_requires_auth(volume) {
+            return Err(AgentError::InvalidArgument {
+                field: "credentials",
+                reason: format!(
+                    "volume {volume}'s export requires DH-HMAC-CHAP: a grant of {host} must \
+                     carry the host's credentials"
+                ),
+            });
+        }
+        if creds.is_some() {
+            self.require_auth_support(volume).await?;
+        }
+        let creds: BTreeMap<HostNqn, HostAuth> =
+            creds.map(|c| (host.clone(), c)).into_iter().collect();
+        self.change_acl(token, volume, host, Intent::Grant, &creds)
+            .await
     }
 
     /// Removes a host from the ACL and cuts its live connections.
@@ -725,7 +779,8 @@ impl Agent {
         host: &HostNqn,
     ) -> Result<(), AgentError> {
         self.ensure_not_lost().await?;
-        self.change_acl(token, volume, host, Intent::Revoke).await
+        self.change_acl(token, volume, host, Intent::Revoke, &BTreeMap::new())
+            .await
     }
 
     async fn change_acl(
@@ -734,6 +789,7 @@ impl Agent {
         volume: &VolumeId,
         host: &HostNqn,
         intent: Intent,
+        creds: &BTreeMap<HostNqn, HostAuth>,
     ) -> Result<(), AgentError> {
         let _lock = self.lock_volume(volume).await;
         let decision = self.check(volume, token.as_ref(), intent).await?;
@@ -764,6 +820,9 @@ impl Agent {
                     };
                     let (mut ops, access) =
                         planned.map_or((Vec::new(), None), |(ops, access)| (ops, Some(access)));
+                    if access.is_some() {
+                        ops = self.with_host_keys(volume, ops, None, creds)?.0;
+                    }
                     ops.extend(links);
                     Ok((ops, access))
                 },
@@ -781,6 +840,7 @@ impl Agent {
         let after = self.target.read_back(&guard, nqn.as_str()).await?;
         if let Some(access) = &access {
             verify_acl(&after, &nqn, access)?;
+            self.verify_host_keys(creds)?;
         }
         if !acl_only {
             verify_links(&after, &nqn, &ports)?;

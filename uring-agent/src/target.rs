@@ -139,7 +139,8 @@ pub fn touches_shared(op: &Op) -> bool {
         || top == Some(pillar_nvmet::HOSTS.as_ref());
     match op {
         Op::Mkdir { .. } | Op::Rmdir { .. } => shared_dir && parts.clone().count() == 1,
-        Op::Write { .. } => top == Some(pillar_nvmet::PORTS.as_ref()),
+        // A port's address and a host entry's keys are shared by every subsystem using them.
+        Op::Write { .. } => shared_dir,
         Op::Symlink { .. } | Op::Unlink { .. } => false,
     }
 }

@@ -40,6 +40,7 @@ fn grant(uid: &str, generation: u64, volume: &str, h: u32) -> api::GrantInitiato
         token: token(uid, generation),
         volume_id: volume.into(),
         host_nqn: host(h),
+        credentials: None,
     }
 }
 

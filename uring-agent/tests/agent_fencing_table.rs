@@ -105,6 +105,7 @@ async fn send(a: &mut Agent, call: Call, tok: Option<api::FencingToken>) -> (Cod
                 token: tok,
                 volume_id: VOLUME.into(),
                 host_nqn: host(3),
+                credentials: None,
             })
             .await
             .map(drop),
@@ -175,6 +176,7 @@ async fn every_mutating_call_with_every_bad_token_is_refused_and_changes_nothing
             token: token("u1", 10),
             volume_id: VOLUME.into(),
             host_nqn: host(2),
+            credentials: None,
         })
         .await
         .unwrap();

@@ -27,6 +27,7 @@ fn grant(uid: &str, generation: u64, volume: &str, h: u32) -> api::GrantInitiato
         token: token(uid, generation),
         volume_id: volume.into(),
         host_nqn: host(h),
+        credentials: None,
     }
 }
 
@@ -548,6 +549,7 @@ async fn malformed_requests_change_nothing() {
         no_port.protocol = Some(api::ExportProtocol {
             service: 0,
             acl: true,
+            auth_none: true,
         });
         assert_eq!(code(c.export(no_port).await), Code::InvalidArgument);
         let mut bad_host = grant("u1", 9, "base", 1);
@@ -563,6 +565,7 @@ async fn malformed_requests_change_nothing() {
         bad_service.protocol = Some(api::ExportProtocol {
             service: 70000,
             acl: true,
+            auth_none: true,
         });
         assert_eq!(code(c.export(bad_service).await), Code::InvalidArgument);
         let mut bad_acl_host = export_req("u1", 9, "base", true, &[]);

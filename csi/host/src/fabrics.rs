@@ -42,6 +42,17 @@ pub struct ConnectOptions {
     pub ctrl_loss_tmo: i32,
     /// Seconds between reconnect attempts; at least 1.
     pub reconnect_delay: u32,
+    /// DH-HMAC-CHAP (W10): the secret this host proves (`dhchap_secret=`) and the one it asks
+    /// the target to prove (`dhchap_ctrl_secret=`, bidirectional). `None`: no authentication.
+    /// Never logged: `Debug` of the secrets is redacted, and the options line is never logged.
+    pub auth: Option<ConnectAuth>,
+}
+
+/// The host's DH-HMAC-CHAP secrets for one connect.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectAuth {
+    pub secret: pillar_nvmet::DhchapSecret,
+    pub ctrl_secret: Option<pillar_nvmet::DhchapSecret>,
 }
 
 impl ConnectOptions {
@@ -61,6 +72,12 @@ impl ConnectOptions {
             self.ctrl_loss_tmo,
             self.reconnect_delay,
         );
+        if let Some(auth) = &self.auth {
+            let _ = write!(line, ",dhchap_secret={}", auth.secret.expose());
+            if let Some(ctrl) = &auth.ctrl_secret {
+                let _ = write!(line, ",dhchap_ctrl_secret={}", ctrl.expose());
+            }
+        }
         line
     }
 
@@ -127,7 +144,7 @@ pub fn connect(paths: &HostPaths, opts: &ConnectOptions) -> Result<Controller, H
         })?;
     tracing::info!(
         nqn = %opts.nqn, traddr = %opts.traddr, trsvcid = opts.trsvcid, hostnqn = %opts.hostnqn,
-        "connecting NVMe/TCP controller"
+        dhchap = opts.auth.is_some(), "connecting NVMe/TCP controller"
     );
     let ctrl = connect_on(&mut file, &path, opts)?;
     tracing::info!(nqn = %opts.nqn, controller = %ctrl.name, cntlid = ctrl.cntlid, "connected");
@@ -237,6 +254,7 @@ mod tests {
             hostid: "f81d4fae-7dec-11d0-a765-00a0c91e6bf6".parse().unwrap(),
             ctrl_loss_tmo: -1,
             reconnect_delay: 2,
+            auth: None,
         }
     }
 
@@ -250,6 +268,30 @@ mod tests {
              hostnqn=nqn.2014-08.org.nvmexpress:uuid:f81d4fae-7dec-11d0-a765-00a0c91e6bf6,\
              hostid=f81d4fae-7dec-11d0-a765-00a0c91e6bf6,ctrl_loss_tmo=-1,reconnect_delay=2"
         );
+    }
+
+    // proves W10: the secrets go on the line, and nowhere else.
+    #[test]
+    fn dhchap_secrets_are_on_the_line_and_not_in_debug() {
+        let secret = pillar_nvmet::DhchapSecret::generate().unwrap();
+        let ctrl = pillar_nvmet::DhchapSecret::generate().unwrap();
+        let mut o = opts();
+        o.auth = Some(ConnectAuth {
+            secret: secret.clone(),
+            ctrl_secret: Some(ctrl.clone()),
+        });
+        let line = o.options_line();
+        assert!(
+            line.ends_with(&format!(
+                ",reconnect_delay=2,dhchap_secret={},dhchap_ctrl_secret={}",
+                secret.expose(),
+                ctrl.expose()
+            )),
+            "{line}"
+        );
+        let debug = format!("{o:?}");
+        assert!(!debug.contains(&secret.expose()[10..40]), "{debug}");
+        assert!(!debug.contains(&ctrl.expose()[10..40]), "{debug}");
     }
 
     #[test]

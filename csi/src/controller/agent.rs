@@ -4,7 +4,8 @@
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_agent_api::{ErrorReason, reason_of};
-use pillar_state::crd::{PillarAgent, PillarProtocol, PillarVolumeState};
+use pillar_state::crd::{PillarAgent, PillarProtocol, PillarVolumeState, ProtocolAuth};
+use pillar_state::store::{StateStore, StoreError};
 use tonic::Status;
 
 use super::Controller;
@@ -170,26 +171,62 @@ pub(super) fn needs_resync(status: &Status) -> bool {
 
 /// The export of `volume` as its record says: the ACL admits the recorded publications that
 /// are not being revoked.
-pub(super) fn export_request(
+pub(super) async fn export_request(
+    store: &dyn StateStore,
     volume: &PillarVolumeState,
     protocol: &PillarProtocol,
     token: Option<agent_api::FencingToken>,
-) -> agent_api::ExportRequest {
+) -> Result<agent_api::ExportRequest, StoreError> {
     let status = volume.status_or_default();
-    agent_api::ExportRequest {
+    // A host being revoked is not re-admitted by an export.
+    let admitted: Vec<_> = status
+        .published_nodes
+        .iter()
+        .filter(|p| !p.revoking)
+        .collect();
+    let mut credentials = Vec::new();
+    if requires_auth(protocol) {
+        for p in &admitted {
+            credentials.push(host_credentials(store, &p.node, &p.host_nqn).await?);
+        }
+    }
+    Ok(agent_api::ExportRequest {
         token,
         volume_id: volume.spec.volume_id.clone(),
         pool: volume.spec.pool.clone(),
-        protocol: Some(agent_api::ExportProtocol {
-            service: u32::from(protocol.spec.nvme_tcp.port),
-            acl: protocol.spec.nvme_tcp.acl,
-        }),
-        // A host being revoked is not re-admitted by an export.
-        allowed_host_nqns: status
-            .published_nodes
-            .iter()
-            .filter(|p| !p.revoking)
-            .map(|p| p.host_nqn.clone())
-            .collect(),
+        protocol: Some(export_protocol(protocol)),
+        allowed_host_nqns: admitted.iter().map(|p| p.host_nqn.clone()).collect(),
+        credentials,
+    })
+}
+
+/// Whether the protocol's exports require DH-HMAC-CHAP (W10): `auth: dhchap` with an ACL (the
+/// kernel authenticates nobody on a subsystem that admits any host).
+pub(super) fn requires_auth(protocol: &PillarProtocol) -> bool {
+    protocol.spec.nvme_tcp.acl && protocol.spec.nvme_tcp.auth == ProtocolAuth::Dhchap
+}
+
+pub(super) fn export_protocol(protocol: &PillarProtocol) -> agent_api::ExportProtocol {
+    agent_api::ExportProtocol {
+        service: u32::from(protocol.spec.nvme_tcp.port),
+        acl: protocol.spec.nvme_tcp.acl,
+        auth_none: !requires_auth(protocol),
     }
+}
+
+/// `node`'s credentials for the agent (W10): hash and group are the agent's defaults
+/// (`hmac(sha256)`, `ffdhe2048`).
+pub(super) async fn host_credentials(
+    store: &dyn StateStore,
+    node: &str,
+    host_nqn: &str,
+) -> Result<agent_api::HostCredentials, StoreError> {
+    let c = store.node_credentials(node, host_nqn).await?;
+    Ok(agent_api::HostCredentials {
+        host_nqn: host_nqn.to_owned(),
+        dhchap_secret: c.secret,
+        dhchap_ctrl_secret: c.ctrl_secret,
+        hash: String::new(),
+        dhgroup: String::new(),
+    })
 }

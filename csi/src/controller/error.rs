@@ -117,6 +117,8 @@ pub fn code_of(err: &ControllerError) -> Code {
         E::BadStartingToken(_) => Code::Aborted,
         E::OutOfRange(_) => Code::OutOfRange,
         E::Store(e) if e.is_conflict() || e.is_lifecycle_gone() => Code::Aborted,
+        // W10: no credentials for the node: refused, never admitted on its NQN alone.
+        E::Store(StoreError::NoCredentials { .. }) => Code::FailedPrecondition,
         E::Store(_) | E::Connect(_) => Code::Unavailable,
         E::Agent { status, .. } => agent_code(status),
     }
@@ -143,7 +145,9 @@ pub fn agent_code(status: &Status) -> Code {
         | R::BackendRefused
         | R::SourceNotLive
         | R::SourceInUse
-        | R::UnclaimedVolume => Code::FailedPrecondition,
+        | R::UnclaimedVolume
+        // W10: the storage node's kernel cannot authenticate hosts; nothing was applied.
+        | R::AuthUnsupported => Code::FailedPrecondition,
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
         R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {

@@ -349,7 +349,15 @@ impl Controller {
                         .map_err(|e| Status::unavailable(e.to_string()))?
                         .filter(|v| v.metadata.uid.as_deref() == Some(uid.as_str()))
                         .ok_or_else(|| Status::aborted(format!("volume {name} is gone")))?;
-                    c.export(export_request(&current, &protocol, token)).await
+                    let request = export_request(&*store, &current, &protocol, token)
+                        .await
+                        .map_err(|e| match e {
+                            StoreError::NoCredentials { .. } => {
+                                Status::failed_precondition(e.to_string())
+                            }
+                            other => Status::unavailable(other.to_string()),
+                        })?;
+                    c.export(request).await
                 }
             })
             .await?;

@@ -249,8 +249,19 @@ impl Controller {
         if let Some(device) = self.local_device(&target.client, &state).await? {
             publish_context.insert(context::LOCAL_DEVICE.to_owned(), device);
         }
+        publish_context.insert(
+            context::AUTH.to_owned(),
+            if super::agent::requires_auth(&protocol) {
+                "dhchap"
+            } else {
+                "none"
+            }
+            .to_owned(),
+        );
         if !protocol.spec.nvme_tcp.acl {
             tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with acl: false: any host that reaches the port can connect, and unpublishing cannot keep a lost node out");
+        } else if !super::agent::requires_auth(&protocol) {
+            tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with auth: none: a host is admitted on the NQN it presents, without proving a secret (W10)");
         }
         tracing::info!(volume = %name, node = %wanted.node, mode = ?wanted.access_mode, readonly = wanted.readonly, "published");
         Ok(csi::ControllerPublishVolumeResponse { publish_context })
@@ -276,6 +287,18 @@ impl Controller {
         let still_admitted = |current: &PillarVolumeState| still_admitted(current, recorded);
         let token = token(&target.uid, recorded.recorded_generation);
         if enforced == Some(acl) {
+            let credentials = if super::agent::requires_auth(protocol) {
+                Some(
+                    super::agent::host_credentials(
+                        &*self.store,
+                        &recorded.node,
+                        &recorded.host_nqn,
+                    )
+                    .await?,
+                )
+            } else {
+                None
+            };
             self.call_agent(
                 target,
                 "GrantInitiator",
@@ -286,6 +309,7 @@ impl Controller {
                         token,
                         volume_id: name.clone(),
                         host_nqn: recorded.host_nqn.clone(),
+                        credentials: credentials.clone(),
                     };
                     async move { c.grant_initiator(r).await }
                 },

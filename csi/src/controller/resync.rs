@@ -262,7 +262,10 @@ impl Controller {
                 protocol: v.spec.protocol.clone(),
                 acl,
             });
-        Ok(Some((export_request(&current, &protocol, t), change)))
+        Ok(Some((
+            export_request(&*self.store, &current, &protocol, t).await?,
+            change,
+        )))
     }
 
     /// Exports again, one by one, the volumes a serving agent reports it could not restore.

@@ -43,6 +43,15 @@ pub enum NodeError {
     UnsupportedCapability(String),
     #[error("publish_context lacks {0}")]
     MissingContext(&'static str),
+    #[error(
+        "volume {volume} requires NVMe in-band authentication (DH-HMAC-CHAP) and \
+         NodeStageVolume carries no secret for this node (secrets key {key:?}): refusing to \
+         connect without it (the target would refuse the host); check the PV's node-stage \
+         Secret and that the controller created this node's credentials"
+    )]
+    MissingSecret { volume: String, key: &'static str },
+    #[error("NodeStageVolume secret {key:?} is not a DH-HMAC-CHAP secret: {reason}")]
+    InvalidSecret { key: &'static str, reason: String },
     #[error("publish_context {key} = {value:?} is invalid: {reason}")]
     InvalidContext {
         key: &'static str,
@@ -349,11 +358,15 @@ pub fn code_of(err: &NodeError) -> Code {
         | E::InvalidVolumeId { .. }
         | E::UnsupportedCapability(_)
         | E::MissingContext(_)
+        | E::InvalidSecret { .. }
         | E::InvalidContext { .. }
         | E::NqnMismatch { .. }
         | E::ReadonlyBlock { .. } => Code::InvalidArgument,
         // A read-only publication of a volume nobody formatted yet: the writer stages first.
         E::ReadOnlyWithoutFilesystem { .. } => Code::FailedPrecondition,
+        // W10: without its secret the node cannot connect; the CO's retry helps once the
+        // secret is there.
+        E::MissingSecret { .. } => Code::FailedPrecondition,
         // A log only a read-write stage may replay (N5): the CO's retry cannot help until one
         // has; fail closed.
         E::LogNeedsRecovery { .. } => Code::FailedPrecondition,

@@ -172,13 +172,16 @@ impl Node for NodeService {
             let staging = request::path("staging_target_path", &req.staging_target_path)?;
             let cap = request::capability(req.volume_capability.as_ref())?;
             let cfg = &self.engine.cfg;
-            let ctx = request::stage_context(
+            let mut ctx = request::stage_context(
                 &volume,
                 &req.publish_context,
                 &cfg.attach,
                 &cfg.host_nqn,
                 cfg.host_id,
             )?;
+            if let request::AttachTarget::Nvme(opts) = &mut ctx.target {
+                opts.auth = request::stage_auth(&volume, &req.publish_context, &req.secrets)?;
+            }
             let guard = self.locks.try_lock(&volume)?;
             self.blocking(tracing::Span::current(), move |e| {
                 let _guard = guard;

@@ -122,6 +122,47 @@ where
         })
 }
 
+/// The DH-HMAC-CHAP secrets a stage of `volume` connects with (W10): `None` when the publish
+/// context says the export requires no authentication; the node's secrets from `secrets`
+/// otherwise, refused (FAILED_PRECONDITION) when missing. Errors never carry a secret.
+pub fn stage_auth(
+    volume: &VolumeId,
+    ctx: &HashMap<String, String>,
+    secrets: &HashMap<String, String>,
+) -> Result<Option<pillar_host::ConnectAuth>, NodeError> {
+    use pillar_nvmet::DhchapSecret;
+    match optional(ctx, context::AUTH) {
+        Some("none") => return Ok(None),
+        Some("dhchap") => {}
+        Some(other) => {
+            return Err(NodeError::InvalidContext {
+                key: context::AUTH,
+                value: other.to_owned(),
+                reason: "must be \"dhchap\" or \"none\"".into(),
+            });
+        }
+        None => return Err(NodeError::MissingContext(context::AUTH)),
+    }
+    let secret = |key: &'static str| -> Result<Option<DhchapSecret>, NodeError> {
+        optional(secrets, key)
+            .map(|v| {
+                DhchapSecret::parse(v).map_err(|e| NodeError::InvalidSecret {
+                    key,
+                    reason: e.to_string(),
+                })
+            })
+            .transpose()
+    };
+    let host = secret(context::SECRET_DHCHAP)?.ok_or_else(|| NodeError::MissingSecret {
+        volume: volume.to_string(),
+        key: context::SECRET_DHCHAP,
+    })?;
+    Ok(Some(pillar_host::ConnectAuth {
+        secret: host,
+        ctrl_secret: secret(context::SECRET_DHCHAP_CTRL)?,
+    }))
+}
+
 /// Reads and checks the stage keys of `publish_context` for `volume`.
 pub fn stage_context(
     volume: &VolumeId,
@@ -160,6 +201,9 @@ pub fn stage_context(
                     context::RECONNECT_DELAY,
                     required(ctx, context::RECONNECT_DELAY)?,
                 )?,
+                // Set by the caller from the request's secrets (`stage_auth`), after this
+                // line may have been shown in an error.
+                auth: None,
             };
             if opts.ctrl_loss_tmo < -1 {
                 return Err(NodeError::InvalidContext {

@@ -407,6 +407,7 @@ pub struct PoolRef {
     doc = "How pillar exports volumes and how nodes attach them",
     printcolumn(name = "Port", type_ = "integer", json_path = ".spec.nvmeTcp.port"),
     printcolumn(name = "ACL", type_ = "boolean", json_path = ".spec.nvmeTcp.acl"),
+    printcolumn(name = "Auth", type_ = "string", json_path = ".spec.nvmeTcp.auth"),
     printcolumn(name = "FS", type_ = "string", json_path = ".spec.nvmeTcp.fsType"),
     printcolumn(
         name = "Age",
@@ -434,6 +435,13 @@ pub struct NvmeTcp {
     /// can connect and an unpublish cannot fence anyone.
     #[serde(default = "default_acl")]
     pub acl: bool,
+    // W10.
+    /// `dhchap` (default): every admitted host proves its own DH-HMAC-CHAP secret, and the
+    /// target proves its controller secret back; an export is refused on a storage node whose
+    /// kernel has no NVMe in-band authentication. `none`: hosts are admitted on their NQN alone
+    /// (the controller logs a warning at each publication).
+    #[serde(default)]
+    pub auth: ProtocolAuth,
     /// `ctrl_loss_tmo` in seconds passed at connect; default 600, the kernel's and nvme-cli's own
     /// default. `-1` reconnects forever.
     #[serde(default = "default_ctrl_loss_tmo")]
@@ -447,6 +455,17 @@ pub struct NvmeTcp {
     /// Extra arguments for `mkfs`.
     #[serde(default)]
     pub mkfs_options: Vec<String>,
+}
+
+/// NVMe in-band authentication of a protocol's hosts (W10).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ProtocolAuth {
+    /// DH-HMAC-CHAP, bidirectional (the default).
+    #[default]
+    Dhchap,
+    /// No authentication: a host is admitted on the NQN it presents.
+    None,
 }
 
 /// Filesystems pillar formats.
@@ -495,6 +514,7 @@ impl Default for NvmeTcp {
         Self {
             port: DEFAULT_NVME_TCP_PORT,
             acl: true,
+            auth: ProtocolAuth::Dhchap,
             ctrl_loss_tmo: DEFAULT_CTRL_LOSS_TMO,
             reconnect_delay: DEFAULT_RECONNECT_DELAY,
             fs_type: FsType::Ext4,

@@ -57,6 +57,9 @@ pub const EMBEDDED_EVENT_LIMIT: usize = 256;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EmbeddedError {
+    /// A node's DH-HMAC-CHAP credentials (under `dhchap/`) could not be read or made.
+    #[error(transparent)]
+    Credentials(crate::credentials::CredentialsError),
     /// Creating the state directory or one of its subdirectories failed.
     #[error("create state directory {path}")]
     CreateDir {
@@ -209,6 +212,9 @@ struct Dir {
     /// The last resourceVersion handed out (durable in `resource-version`).
     last_rv: u64,
 }
+
+/// Under the store's directory: the nodes' DH-HMAC-CHAP credentials, one file each (mode 0600).
+pub const CREDENTIALS_DIR: &str = "dhchap";
 
 impl EmbeddedStore {
     /// Opens (creating if needed) the state directory and takes its exclusive lock.
@@ -780,5 +786,34 @@ impl StateStore for EmbeddedStore {
             ..event.clone()
         });
         Ok(())
+    }
+
+    async fn node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        let (node, host_nqn) = (node.to_owned(), host_nqn.to_owned());
+        self.run(move |d| {
+            crate::credentials::get_or_create(&d.root.join(CREDENTIALS_DIR), &node, &host_nqn)
+                .map_err(|e| StoreError::Embedded(EmbeddedError::Credentials(e)))
+        })
+        .await
+    }
+
+    async fn rotate_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        let (node, host_nqn) = (node.to_owned(), host_nqn.to_owned());
+        self.run(move |d| {
+            let fresh =
+                crate::credentials::NodeCredentials::generate(&node, &host_nqn).and_then(|c| {
+                    crate::credentials::write(&d.root.join(CREDENTIALS_DIR), &c).map(|()| c)
+                });
+            fresh.map_err(|e| StoreError::Embedded(EmbeddedError::Credentials(e)))
+        })
+        .await
     }
 }

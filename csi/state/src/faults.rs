@@ -308,4 +308,20 @@ impl StateStore for FaultyStore {
     async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
         self.inner.record_volume_event(event).await
     }
+
+    async fn node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        self.inner.node_credentials(node, host_nqn).await
+    }
+
+    async fn rotate_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        self.inner.rotate_node_credentials(node, host_nqn).await
+    }
 }

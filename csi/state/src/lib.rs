@@ -17,6 +17,7 @@
 
 pub mod condition;
 pub mod crd;
+pub mod credentials;
 pub mod embedded;
 pub mod kube_store;
 pub mod lease;

@@ -157,6 +157,16 @@ pub enum StoreError {
     /// The embedded store failed on disk.
     #[error(transparent)]
     Embedded(#[from] crate::embedded::EmbeddedError),
+    /// This store keeps no DH-HMAC-CHAP credentials (W10).
+    #[error(
+        "this controller's store keeps no DH-HMAC-CHAP credentials, so node {node} cannot be \
+         admitted to an export that requires authentication (W10); refusing rather than \
+         admitting it on its host NQN alone"
+    )]
+    NoCredentials {
+        /// The node.
+        node: String,
+    },
 }
 
 impl StoreError {
@@ -335,6 +345,33 @@ pub trait StateStore: Send + Sync + Debug {
     /// Records an Event about a volume. Best-effort for the caller: a failure is for the log,
     /// never a reason to fail the operation the event reports.
     async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError>;
+
+    /// The DH-HMAC-CHAP credentials of `node` presenting `host_nqn` (W10), made the first time
+    /// they are asked for (and again when the node's host NQN changed). Only the controller
+    /// reads them; they go to the agent in grants and exports, never to a record's status.
+    async fn node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        let _ = host_nqn;
+        Err(StoreError::NoCredentials {
+            node: node.to_owned(),
+        })
+    }
+
+    /// Replaces `node`'s credentials with new ones (rotation); the old ones stop working once
+    /// every agent holding them got the new ones.
+    async fn rotate_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        let _ = host_nqn;
+        Err(StoreError::NoCredentials {
+            node: node.to_owned(),
+        })
+    }
 }
 
 /// What the stores need to know about each of the three record types.

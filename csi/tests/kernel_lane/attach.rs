@@ -32,8 +32,10 @@ async fn export(agent: &mut AgentClient<Channel>, pool: &str, vol: &str, life: &
             protocol: Some(agent_api::ExportProtocol {
                 service: u32::from(PORT),
                 acl: false,
+                auth_none: true,
             }),
             allowed_host_nqns: vec![],
+            credentials: vec![],
         })
         .await
         .unwrap_or_else(|e| panic!("Export {vol}: {e}"));

@@ -46,6 +46,9 @@
 //! 12. lvm-thin snapshots: data written through NVMe/TCP, a snapshot cut with the host
 //!     connected, more writes; a restore holds exactly the data at the cut, a clone the data
 //!     after; deletes in the orders thin LVM allows, refusals where the rules forbid
+//! 14. (s14) DH-HMAC-CHAP (W10): without a secret or with a wrong one the node's NQN is refused, with
+//!     it the node connects and does I/O; rotation with the controller live; a revoked secret
+//!     no longer connects; without kernel support the export requiring it is refused
 //! 13. zfs on the real OpenZFS module (the kernels it supports): create, export, I/O, online
 //!     expansion, snapshot, restore, clone through NVMe/TCP; deletes in every order, refused
 //!     while a snapshot or clone depends on the zvol
@@ -72,6 +75,7 @@ mod s11_density;
 mod s12_lvm_thin_snapshots;
 mod s13_zfs;
 mod s14_crash_states;
+mod s15_dhchap;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;

@@ -101,8 +101,10 @@ pub(crate) async fn storage_reboot(
             protocol: Some(agent_api::ExportProtocol {
                 service: u32::from(PORT),
                 acl: true,
+                auth_none: true,
             }),
             allowed_host_nqns: vec![host.to_string()],
+            credentials: vec![],
         })
         .await
         .expect_err("an export before the resync must be refused");
@@ -116,6 +118,7 @@ pub(crate) async fn storage_reboot(
             token: token(&uid, u64::MAX / 2),
             volume_id: volume.into(),
             host_nqn: host.to_string(),
+            credentials: None,
         })
         .await
         .expect_err("a grant before the resync must be refused");

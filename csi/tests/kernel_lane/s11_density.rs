@@ -33,8 +33,10 @@ fn export_request(volume: &str) -> agent_api::ExportRequest {
         protocol: Some(agent_api::ExportProtocol {
             service: u32::from(PORT),
             acl: true,
+            auth_none: true,
         }),
         allowed_host_nqns: vec![HOST.into()],
+        credentials: vec![],
     }
 }
 

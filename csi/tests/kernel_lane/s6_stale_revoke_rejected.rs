@@ -74,8 +74,10 @@ async fn s6_stale_revoke_rejected() {
             protocol: Some(agent_api::ExportProtocol {
                 service: u32::from(PORT),
                 acl: true,
+                auth_none: true,
             }),
             allowed_host_nqns: vec![],
+            credentials: vec![],
         })
         .await
         .expect("Export");
@@ -85,6 +87,7 @@ async fn s6_stale_revoke_rejected() {
             token: token(uid, 4),
             volume_id: vol.into(),
             host_nqn: host.to_string(),
+            credentials: None,
         })
         .await
         .expect("GrantInitiator");
@@ -169,6 +172,7 @@ async fn s6_stale_revoke_rejected() {
             token: token(uid, 5),
             volume_id: vol.into(),
             host_nqn: host_b.to_string(),
+            credentials: None,
         })
         .await
         .expect("GrantInitiator for the second host");

@@ -59,8 +59,10 @@ async fn s8_volume(
             protocol: Some(agent_api::ExportProtocol {
                 service: u32::from(PORT),
                 acl: false,
+                auth_none: true,
             }),
             allowed_host_nqns: vec![],
+            credentials: vec![],
         })
         .await
         .expect("Export")
@@ -541,8 +543,10 @@ async fn s8_lvm_backends() {
                 protocol: Some(agent_api::ExportProtocol {
                     service: u32::from(PORT),
                     acl: false,
+                    auth_none: true,
                 }),
                 allowed_host_nqns: vec![],
+                credentials: vec![],
             })
             .await
             .expect_err("Export of a foreign LV");

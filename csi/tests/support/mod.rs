@@ -18,7 +18,7 @@ use pillar_csi::controller::{Controller, ControllerService};
 use pillar_csi::csi;
 use pillar_csi::csi::controller_client::ControllerClient;
 use pillar_state::apiserver_double::ApiServerDouble;
-use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
+use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef, ProtocolAuth};
 use pillar_state::embedded::EmbeddedStore;
 use pillar_state::faults::FaultyStore;
 use pillar_state::kube_store::KubeStore;
@@ -201,6 +201,13 @@ impl Env {
                 PillarProtocolSpec {
                     nvme_tcp: NvmeTcp {
                         acl,
+                        // W10: the Kubernetes store keeps no DH-HMAC-CHAP credentials yet (a
+                        // publication requiring them is refused there); the embedded store
+                        // does, so its runs have authentication on, as by default.
+                        auth: match kind {
+                            StoreKind::Embedded => ProtocolAuth::Dhchap,
+                            StoreKind::Kube => ProtocolAuth::None,
+                        },
                         ..NvmeTcp::default()
                     },
                 },
@@ -355,6 +362,20 @@ pub fn create(name: &str, mode: Mode) -> csi::CreateVolumeRequest {
         volume_capabilities: vec![cap(mode)],
         ..Default::default()
     }
+}
+
+/// The DH-HMAC-CHAP secret the controller made for node `n` (W10), as kubelet would pass it:
+/// `None` on the Kubernetes store (no credentials there yet) or before the node's publication.
+pub fn node_secret(env: &Env, n: u32) -> Option<String> {
+    let embedded = env.embedded.as_ref()?;
+    let node = node_id(n);
+    let name = node.split('/').next().unwrap_or_default().to_owned();
+    let dir = embedded
+        .root()
+        .join(pillar_state::embedded::CREDENTIALS_DIR);
+    pillar_state::credentials::read(&dir, &name)
+        .unwrap()
+        .map(|c| c.secret)
 }
 
 pub fn publish(

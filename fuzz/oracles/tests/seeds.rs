@@ -103,8 +103,10 @@ fn export() -> api::ExportRequest {
         protocol: Some(api::ExportProtocol {
             service: 4420,
             acl: true,
+            auth_none: true,
         }),
         allowed_host_nqns: vec![HOST.into()],
+        credentials: vec![],
     }
 }
 
@@ -147,6 +149,7 @@ fn agent_requests() {
         token: token(),
         volume_id: VOLUME.into(),
         host_nqn: HOST.into(),
+        credentials: None,
     };
     write("agent_request", "grant", &with(4, &grant.encode_to_vec()));
     write(

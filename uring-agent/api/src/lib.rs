@@ -42,7 +42,8 @@ pub fn code_of(reason: ErrorReason) -> Code {
         | R::BackendRefused
         | R::SourceNotLive
         | R::SourceInUse
-        | R::UnclaimedVolume => Code::FailedPrecondition,
+        | R::UnclaimedVolume
+        | R::AuthUnsupported => Code::FailedPrecondition,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
         R::WaitingForResync | R::NoNvmet | R::Overloaded | R::StateLost => Code::Unavailable,
         R::SizeMismatch => Code::AlreadyExists,

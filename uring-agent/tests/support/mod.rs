@@ -277,8 +277,13 @@ pub fn export_req(
         token: token(uid, generation),
         volume_id: volume.into(),
         pool: "p1".into(),
-        protocol: Some(api::ExportProtocol { service: 4420, acl }),
+        protocol: Some(api::ExportProtocol {
+            service: 4420,
+            acl,
+            auth_none: true,
+        }),
         allowed_host_nqns: hosts.iter().map(|h| host(*h)).collect(),
+        credentials: vec![],
     }
 }
 

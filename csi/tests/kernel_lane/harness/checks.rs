@@ -283,6 +283,7 @@ pub(crate) fn connect_opts(volume: &str, host: &HostNqn, host_id: uuid::Uuid) ->
         hostid: host_id,
         ctrl_loss_tmo: CTRL_LOSS_TMO,
         reconnect_delay: RECONNECT_DELAY,
+        auth: None,
     }
 }
 

@@ -16,13 +16,13 @@ use pillar_host::HostPaths;
 use pillar_host::NamespaceDevice;
 use pillar_nvmet::{HostNqn, NamespaceId, NamespaceIdentity, SubsystemNqn, VolumeId};
 use pillar_state::EmbeddedStore;
-use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
+use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef, ProtocolAuth};
 use pillar_state::store::StateStore;
 use tonic::transport::Channel;
 
 use crate::harness::checks::{host_controllers, host_device};
 use crate::harness::kmsg::Kmsg;
-use crate::harness::machine::{lane_root, nvmet_is_empty, reset_machine};
+use crate::harness::machine::{kernel_has_auth, lane_root, nvmet_is_empty, reset_machine};
 use crate::harness::process::{Proc, agent_bin, channel, csi_bin};
 use crate::harness::{
     AGENT_NAME, CTRL_LOSS_TMO, ETC_HOSTID, ETC_HOSTNQN, NVMET, POOL, PORT, PROTOCOL,
@@ -101,6 +101,16 @@ impl Lab {
             nvmet_is_empty(),
             "nvmet state left over from an earlier scenario"
         );
+        // W10: DH-HMAC-CHAP, pillar's default, where the kernel has it; `auth: none` (shown by
+        // the controller's warning) where it has not, as an operator on that kernel must.
+        let auth = if kernel_has_auth() {
+            ProtocolAuth::Dhchap
+        } else {
+            println!(
+                "  this kernel has no NVMe in-band authentication: the protocol says auth: none"
+            );
+            ProtocolAuth::None
+        };
         let dir = lane_root().join(name);
         let _ = fs::remove_dir_all(&dir);
         for sub in ["pool", "store", "logs"] {
@@ -136,6 +146,7 @@ impl Lab {
                             acl,
                             ctrl_loss_tmo,
                             reconnect_delay: RECONNECT_DELAY,
+                            auth,
                             ..NvmeTcp::default()
                         },
                     },
@@ -402,7 +413,7 @@ impl Lab {
                 publish_context: publish_context.clone(),
                 staging_target_path: staging.display().to_string(),
                 volume_capability: Some(rwo()),
-                secrets: HashMap::new(),
+                secrets: self.stage_secrets(node),
                 volume_context: HashMap::new(),
             })
             .await;
@@ -416,6 +427,26 @@ impl Lab {
             )
         );
         r.map(|_| staging)
+    }
+
+    /// What kubelet passes in NodeStageVolume's `secrets`: the node's own DH-HMAC-CHAP
+    /// credentials, read from the controller's store (in a cluster: the PV's node-stage
+    /// Secret); empty when the controller made none for it.
+    pub(crate) fn stage_secrets(&self, node: &NodePlugin) -> HashMap<String, String> {
+        let dir = self
+            .dir
+            .join("store")
+            .join(pillar_state::embedded::CREDENTIALS_DIR);
+        match pillar_state::credentials::read(&dir, &node.name).expect("credentials readable") {
+            Some(c) => HashMap::from([
+                (pillar_csi::context::SECRET_DHCHAP.to_owned(), c.secret),
+                (
+                    pillar_csi::context::SECRET_DHCHAP_CTRL.to_owned(),
+                    c.ctrl_secret,
+                ),
+            ]),
+            None => HashMap::new(),
+        }
     }
 
     pub(crate) async fn node_publish(

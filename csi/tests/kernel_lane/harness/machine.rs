@@ -111,6 +111,17 @@ pub(crate) fn nvmet_teardown_all() -> Result<(), String> {
     Ok(())
 }
 
+/// Whether the running kernel has NVMe in-band authentication on the target, seen as the agent
+/// sees it: a host entry made and removed again has `dhchap_key` or not (never decided from a
+/// kernel version).
+pub(crate) fn kernel_has_auth() -> bool {
+    let probe = Path::new(NVMET).join("hosts/nqn.2014-08.io.pillar-csi:lane-auth-probe");
+    fs::create_dir(&probe).expect("make a probe host entry");
+    let has = probe.join("dhchap_key").exists();
+    fs::remove_dir(&probe).expect("remove the probe host entry");
+    has
+}
+
 pub(crate) fn nvmet_is_empty() -> bool {
     ["subsystems", "ports", "hosts"]
         .iter()
