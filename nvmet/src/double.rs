@@ -719,7 +719,7 @@ impl ConfigfsDouble {
                 if v.is_empty() {
                     return self.set(path, "");
                 }
-                // What the store checks on the lane's 7.2 (`s14_dhchap`): the prefix and a
+                // What the store checks on the lane's 7.2 (`s15_dhchap`): the prefix and a
                 // transform of 0-3 (`sscanf("DHHC-1:%hhd:%*s")`); the key itself (base64,
                 // length, CRC) only when a host authenticates, so a malformed one is taken here
                 // and fails every connect (`host_connects_with_secret`).

@@ -102,7 +102,7 @@ fn the_double_stores_keys_and_names_as_the_kernel_does() {
         .unwrap();
     let good = DhchapSecret::generate().unwrap();
     let body = good.expose()["DHHC-1:00:".len()..].to_owned();
-    // What 7.2 refuses at the write (measured, `s14_dhchap`): no prefix, a transform over 3.
+    // What 7.2 refuses at the write (measured, `s15_dhchap`): no prefix, a transform over 3.
     for bad in ["secret", "DHHC-1:04:AAAA:", "DHHC-1:x:AAAA:", "DHHC-1:00:"] {
         for attr in [DHCHAP_KEY, DHCHAP_CTRL_KEY] {
             assert_eq!(
