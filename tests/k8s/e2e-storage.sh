@@ -9,6 +9,10 @@
 #   PILLAR_E2E_TIMEOUT  the whole run's bound (default 3h); specs not reached are counted as
 #     not run, never as passed
 #   PILLAR_E2E_REPORT_DIR  where the JUnit report and the log go (default a temporary directory)
+#   PILLAR_E2E_SEED  ginkgo's seed: the specs run in a random order (default 1), so a run cut
+#     short by the timeout is a random sample of the focus, not its first suites
+#   PILLAR_E2E_GINKGO  the ginkgo CLI of e2e.test's ginkgo version: runs PILLAR_E2E_PROCS (4)
+#     processes in parallel (the specs mostly wait on the cluster)
 # The images e2e.test runs (registry.k8s.io/e2e-test-images/busybox, agnhost, pause, at the tags
 # its test/utils/image/manifest.go names) must be on the nodes.
 # Exit: 0 no spec failed; 1 some failed; 77 skipped.
@@ -22,11 +26,22 @@ SKIP=${PILLAR_E2E_SKIP:-'\[Disruptive\]'}
 OUT=${PILLAR_E2E_REPORT_DIR:-$(mktemp -d -t pillar-e2e.XXXXXX)}
 mkdir -p "$OUT"
 
-echo "e2e: $E2E --ginkgo.focus='$FOCUS' --ginkgo.skip='$SKIP' (log and JUnit report in $OUT)"
-"$E2E" --kubeconfig="$KUBECONFIG" --storage.testdriver="$ROOT/tests/k8s/e2e-driver.yaml" \
-  --ginkgo.focus="$FOCUS" --ginkgo.skip="$SKIP" --ginkgo.timeout="${PILLAR_E2E_TIMEOUT:-3h}" \
-  --ginkgo.junit-report="$OUT/junit.xml" --ginkgo.no-color --report-dir="$OUT" \
-  --ginkgo.poll-progress-after=10m >"$OUT/e2e.log" 2>&1
+SEED=${PILLAR_E2E_SEED:-1}
+SUITE=(--ginkgo.focus="$FOCUS" --ginkgo.skip="$SKIP" --ginkgo.timeout="${PILLAR_E2E_TIMEOUT:-3h}"
+  --ginkgo.randomize-all --ginkgo.seed="$SEED" --ginkgo.junit-report="$OUT/junit.xml"
+  --ginkgo.no-color --ginkgo.poll-progress-after=10m)
+DRIVER=(--kubeconfig="$KUBECONFIG" --storage.testdriver="$ROOT/tests/k8s/e2e-driver.yaml"
+  --report-dir="$OUT")
+if [ -n "${PILLAR_E2E_GINKGO:-}" ]; then
+  # The ginkgo CLI (of the e2e.test's own ginkgo version) runs specs on several processes.
+  PROCS=${PILLAR_E2E_PROCS:-4}
+  echo "e2e: ginkgo --procs=$PROCS $E2E, focus '$FOCUS', skip '$SKIP', seed $SEED (log and JUnit report in $OUT)"
+  "$PILLAR_E2E_GINKGO" --procs="$PROCS" "${SUITE[@]/--ginkgo./--}" "$E2E" -- "${DRIVER[@]}" \
+    >"$OUT/e2e.log" 2>&1
+else
+  echo "e2e: $E2E, focus '$FOCUS', skip '$SKIP', seed $SEED (log and JUnit report in $OUT)"
+  "$E2E" "${DRIVER[@]}" "${SUITE[@]}" >"$OUT/e2e.log" 2>&1
+fi
 rc=$?
 # Ginkgo's own summary: "Ran N of M Specs ..." and "N Passed | N Failed | N Pending | N Skipped".
 grep -E '^Ran [0-9]+ of [0-9]+ Specs|Passed \| [0-9]+ Failed' "$OUT/e2e.log" | tail -n 2

@@ -77,7 +77,9 @@ undeploy() {
   wait_for 120 "the stage's PVs deleted" gone >/dev/null
   k -n "$NS" delete deploy/pillar-controller ds/pillar-node ds/pillar-agent pdb/pillar-controller \
     --wait=true --timeout=120s >/dev/null 2>&1
-  for o in "pillaragent/$AGENT" storageclass/pillar-e2e volumesnapshotclass/pillar-e2e; do
+  # storage-1: stage 1's example PillarAgent (an address no test machine has).
+  for o in "pillaragent/$AGENT" pillaragent/storage-1 storageclass/pillar-e2e \
+      volumesnapshotclass/pillar-e2e; do
     k delete "$o" --ignore-not-found >/dev/null 2>&1
   done
 }
