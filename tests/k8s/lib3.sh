@@ -7,6 +7,9 @@
 
 AGENT=e2e-storage
 POOL_DIR=/var/lib/pillar/e2e-pool
+# The StorageClass's file system. ext4 grows online only where the node plugin has
+# CAP_SYS_RESOURCE (a node that is itself a container may lack it): xfs there.
+FS_TYPE=${PILLAR_E2E_FS_TYPE:-ext4}
 
 node_ip() {
   k get node "$NODE" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}'
@@ -54,10 +57,10 @@ deploy() {
       tls: {serverName: "\($n).pillar-agent", caBundlePath: "/etc/pillar/agent-ca/ca.crt"},
       pools: [{name: $p, kind: "file"}], topology: {($zk): $z}}}' | k apply -f - >/dev/null &&
   k apply -f "$ROOT/deploy/examples/pillarprotocol.yaml" >/dev/null &&
-  jq -n --arg p "$POOL" '{apiVersion: "storage.k8s.io/v1", kind: "StorageClass",
+  jq -n --arg p "$POOL" --arg fs "$FS_TYPE" '{apiVersion: "storage.k8s.io/v1", kind: "StorageClass",
     metadata: {name: "pillar-e2e"}, provisioner: "pillar.csi.io",
     parameters: {"pillar.io/pool": $p, "pillar.io/protocol": "nvme-tcp",
-      "csi.storage.k8s.io/fstype": "ext4"},
+      "csi.storage.k8s.io/fstype": $fs},
     allowVolumeExpansion: true, volumeBindingMode: "WaitForFirstConsumer", reclaimPolicy: "Delete"}' |
     k apply -f - >/dev/null &&
   jq '.metadata.name = "pillar-e2e"' <(k create --dry-run=client -o json \

@@ -15,6 +15,8 @@
 #   PILLAR_E2E_KUBELET_RESTART: a shell command that SIGKILLs the kubelet of the node
 #     PILLAR_E2E_NODE (default: the one Ready node labelled pillar.io/storage-node=true) and
 #     starts it again.
+#   PILLAR_E2E_FS_TYPE: the StorageClass's file system (default ext4; xfs where the node lacks
+#     CAP_SYS_RESOURCE, which ext4's online growth needs).
 #   The images of deploy/base (registry.invalid/..., the tags it pins) and PILLAR_E2E_IMAGE (a
 #   busybox image, default the e2e suite's) must be on the node: nothing is pulled (pull policy
 #   IfNotPresent). The cluster needs the VolumeSnapshot CRDs and snapshot-controller.
