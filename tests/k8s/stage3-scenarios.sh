@@ -21,10 +21,12 @@ in_use() {
 grows() { # POD N: the log has more than N lines
   [ "$(lines "$1")" -gt "$2" ]
 }
-# mount_warnings POD SINCE: the pod's FailedMount / FailedAttachVolume events at or after SINCE.
+# mount_warnings POD SINCE: the pod's volume warnings (FailedMount, FailedAttachVolume,
+# FailedMapVolume, VolumeConditionAbnormal, ...) at or after SINCE.
 mount_warnings() {
   k get events --field-selector "involvedObject.name=$1" -o json | jq -r --arg t "$2" '.items[]
-    | select(.type == "Warning" and ((.lastTimestamp // .eventTime // "") >= $t))
+    | select(.type == "Warning" and (.reason | test("Mount|Attach|Map|Volume"))
+             and ((.lastTimestamp // .eventTime // "") >= $t))
     | "\(.reason): \(.message)"'
 }
 
@@ -71,7 +73,7 @@ scenario_d_kubelet_restart() {
   check "d: the 16 MiB written before the restart read back the same" test \
     "$(k exec d3-writer -c app -- md5sum /data/blob)" = "$sum"
   local warn; warn=$(mount_warnings d3-writer "$t0")
-  check "d: no warning event on the pod since the restart${warn:+ (got: $warn)}" test -z "$warn"
+  check "d: no volume warning on the pod since the restart${warn:+ (got: $warn)}" test -z "$warn"
   echo "node plugin's calls for the volume since the restart:"
   node_plugin_log --since-time="$t0" | grep -F "$handle" | tail -n 8 | sed 's/^/  /'
   # Then the normal end, driven by the restarted kubelet.
