@@ -48,9 +48,13 @@ deploy() {
   local ip
   ip=$(node_ip) && [ -n "$ip" ] || { echo "node $NODE has no InternalIP"; return 1; }
   k kustomize "$ROOT/tests/k8s/overlays/kubelet" >"$W/deploy.yaml" || return 1
+  # The secrets before the pods: the agent reads its certificate once, at start, while kubelet
+  # updates a mounted secret in place; pods started on an earlier run's secrets would serve a
+  # certificate of a CA the controller no longer trusts (seen: BadSignature).
+  k get namespace "$NS" >/dev/null 2>&1 || k create namespace "$NS" >/dev/null || return 1
+  make_tls || { echo "TLS material"; return 1; }
   k apply --server-side --force-conflicts --field-manager=pillar-e2e -f "$W/deploy.yaml" \
     >/dev/null || return 1
-  make_tls || { echo "TLS material"; return 1; }
   jq -n --arg a "$AGENT" --arg n "$NODE" --arg ip "$ip" --arg zk "$ZONE_KEY" --arg z "$ZONE" \
     --arg p "$POOL" '{apiVersion: "pillar-csi.io/v1alpha1", kind: "PillarAgent",
     metadata: {name: $a}, spec: {node: $n, address: "\($ip):9500", nvmeAddress: $ip,
@@ -80,6 +84,10 @@ undeploy() {
   wait_for 120 "the stage's PVs deleted" gone >/dev/null
   k -n "$NS" delete deploy/pillar-controller ds/pillar-node ds/pillar-agent pdb/pillar-controller \
     --wait=true --timeout=120s >/dev/null 2>&1
+  k -n "$NS" delete secret pillar-agent-tls pillar-controller-tls pillar-agent-ca \
+    --ignore-not-found >/dev/null 2>&1
+  k -n "$NS" wait --for=delete pod -l 'app in (pillar-controller, pillar-node, pillar-agent)' \
+    --timeout=120s >/dev/null 2>&1
   # storage-1: stage 1's example PillarAgent (an address no test machine has).
   for o in "pillaragent/$AGENT" pillaragent/storage-1 storageclass/pillar-e2e \
       volumesnapshotclass/pillar-e2e; do
