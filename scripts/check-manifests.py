@@ -3,7 +3,10 @@
 
     scripts/check-manifests.py [--containers-json FILE]
 
-- Each folder under deploy/ with a kustomization.yaml is rendered with `kubectl kustomize`.
+- Each folder under deploy/ with a kustomization.yaml is rendered with `kubectl kustomize`, and
+  so is each test-only overlay under tests/k8s/overlays/ (the end-to-end suite's); a test-only
+  flag of a pillar binary (--test-local-device-attach, --target=test-double, plaintext, unsafe)
+  anywhere else fails.
 - Built-in kinds are validated (strict: unknown fields fail) against the Kubernetes schemas of
   every version in KUBERNETES_VERSIONS, with the `kubernetes-validate` package; objects of
   pillar's own CRDs against the CRD's openAPIV3Schema from deploy/base/crds.yaml; the examples in
@@ -79,6 +82,11 @@ def check_metric_names(text, origin, known, problems):
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
+# Test-only kustomize overlays (the end-to-end suite's): rendered and checked like deploy/'s, and
+# the only place where the test-only flags below may appear.
+TEST_OVERLAYS = ROOT / "tests" / "k8s" / "overlays"
+TEST_ONLY_FLAGS = ("--test-local-device-attach", "--target=test-double", "--insecure-plaintext",
+                   "--agent-insecure-plaintext", "--unsafe-")
 
 
 def crd_schemas():
@@ -144,6 +152,18 @@ def expand(value, env):
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
 
 
+def check_test_only_flags(obj, origin, problems):
+    """No manifest under deploy/ runs a pillar binary with a test-only flag."""
+    pod = obj.get("spec", {}).get("template", {}).get("spec")
+    if not pod:
+        return
+    for c in pod.get("containers", []) + pod.get("initContainers", []):
+        for arg in c.get("command", []) + c.get("args", []):
+            if any(arg.startswith(flag) for flag in TEST_ONLY_FLAGS):
+                problems.append(f"{origin}: {obj['kind']}/{obj['metadata']['name']} container "
+                                f"{c.get('name')}: test-only flag {arg} outside {TEST_OVERLAYS.relative_to(ROOT)}")
+
+
 def pillar_containers(obj, origin):
     pod = obj.get("spec", {}).get("template", {}).get("spec")
     if not pod:
@@ -182,7 +202,8 @@ def main():
     schemas = crd_schemas()
     problems, containers, rendered = [], [], []
     targets = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
-    for target in targets:
+    test_targets = sorted(p.parent for p in TEST_OVERLAYS.rglob("kustomization.yaml"))
+    for target in targets + test_targets:
         rel = target.relative_to(ROOT)
         out = subprocess.run(["kubectl", "kustomize", str(target)], capture_output=True, text=True)
         if out.returncode != 0:
@@ -193,11 +214,14 @@ def main():
         for obj in docs:
             check_object(obj, str(rel), schemas, problems)
             check_images(obj, str(rel), problems)
+            if target in targets:
+                check_test_only_flags(obj, str(rel), problems)
             containers += pillar_containers(obj, str(rel))
     for example in sorted((DEPLOY / "examples").glob("*.yaml")):
         rel = example.relative_to(ROOT)
         for obj in (d for d in yaml.safe_load_all(example.read_text()) if d):
             check_object(obj, str(rel), schemas, problems)
+            check_test_only_flags(obj, str(rel), problems)
             containers += pillar_containers(obj, str(rel))
         rendered.append(str(rel))
     # Alerts and dashboards name only metrics the binaries export.

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # End-to-end suite against a real Kubernetes. Stage 1 (this file): pillar's CRDs and RBAC
 # against the real API server. Stage 2 (stage2.sh, run from here): the controller and the CSI
-# sidecars against it, with the scenarios of PVC lifecycle, leader loss and node loss.
+# sidecars against it, with the scenarios of PVC lifecycle, leader loss and node loss, where no
+# kubelet runs. Stage 3 (stage3.sh, run from here): the shipped manifests run by a real kubelet,
+# a kubelet restart under a mounted volume, and Kubernetes' storage e2e suite.
 #
 # Applies the cluster-scoped parts of deploy/base (Namespace, CRDs, ServiceAccounts, RBAC,
 # CSIDriver; not the Deployment, DaemonSets or PDB, so no image is pulled), then checks, as the
 # controller's ServiceAccount, every verb the controller needs (and some it must not have), and,
 # as the admin, the CRD schema's validation and pruning.
 #
-# Usage: KUBECONFIG=/path/to/admin.kubeconfig [PILLAR_E2E_SIDECARS=DIR] tests/k8s/run.sh
+# Usage: KUBECONFIG=/path/to/admin.kubeconfig [PILLAR_E2E_SIDECARS=DIR]
+#          [PILLAR_E2E_KUBELET_RESTART=COMMAND [PILLAR_E2E_TEST=e2e.test]] tests/k8s/run.sh
 # Exit: 0 all passed; 1 some check failed; 77 skipped (no KUBECONFIG, no kubectl, or the cluster
 # is unreachable). 77 means "not run", never "passed".
 set -uo pipefail
@@ -214,12 +217,16 @@ fi
 echo "stage 1: $PASSED passed, $FAILED failed"
 [ "$FAILED" -eq 0 ] || exit 1
 
-# Stage 2: the controller, the sidecars and the scenarios (tests/k8s/stage2.sh). Its own
-# skip (no sidecar binaries) is reported as such: stage 1 alone passed, stage 2 was not tested.
-rc=0
-"$ROOT/tests/k8s/stage2.sh" || rc=$?
-case $rc in
-  0) echo "stage 1 and stage 2 passed" ;;
-  77) echo "stage 2 SKIPPED (not tested); stage 1 passed" ;;
-  *) exit "$rc" ;;
-esac
+# Stage 2: the controller, the sidecars and the scenarios (tests/k8s/stage2.sh), where no
+# kubelet runs. Stage 3: the shipped manifests run by a real kubelet, its restart, and
+# Kubernetes' storage e2e suite (tests/k8s/stage3.sh). Each one's own skip (what it needs is not
+# there) is reported as such: not tested, never passed.
+outcome() { case $1 in 0) echo passed ;; 77) echo "SKIPPED (not tested)" ;; *) echo FAILED ;; esac; }
+rc2=0
+"$ROOT/tests/k8s/stage2.sh" || rc2=$?
+rc3=0
+"$ROOT/tests/k8s/stage3.sh" || rc3=$?
+echo "stage 1 passed; stage 2 $(outcome $rc2); stage 3 $(outcome $rc3)"
+for rc in $rc2 $rc3; do
+  case $rc in 0 | 77) ;; *) exit "$rc" ;; esac
+done

@@ -11,7 +11,8 @@
 # Usage: KUBECONFIG=admin.kubeconfig PILLAR_E2E_SIDECARS=DIR tests/k8s/stage2.sh
 #   DIR holds csi-provisioner, csi-attacher, csi-resizer and csi-snapshotter at the versions
 #   deploy/base pins. The cluster needs the VolumeSnapshot CRDs and snapshot-controller, and no
-#   kubelet on the nodes e2e-node-a and e2e-node-b this stage creates. Needs root (mounts).
+#   kubelet on the nodes e2e-node-a and e2e-node-b this stage creates, and no Ready node (where a
+#   kubelet runs, stage 3 is the stage). Needs root (mounts).
 # Exit: 0 all passed; 1 some check failed; 77 skipped (what is missing is printed).
 set -uo pipefail
 
@@ -33,6 +34,11 @@ command -v curl >/dev/null || skip "curl is not installed"
 "$KUBECTL" get --raw /readyz --request-timeout=5s >/dev/null 2>&1 || skip "cluster unreachable"
 "$KUBECTL" get crd volumesnapshots.snapshot.storage.k8s.io >/dev/null 2>&1 ||
   skip "no VolumeSnapshot CRDs in the cluster"
+# A real kubelet would run deploy/base's pods beside this stage's processes (two controllers,
+# a second node plugin): stage 3 is the stage for a cluster with one.
+"$KUBECTL" get nodes -o json | jq -e 'any(.items[]; any(.status.conditions[]?;
+  .type == "Ready" and .status == "True"))' >/dev/null 2>&1 &&
+  skip "the cluster has a Ready node (a kubelet runs there): stage 3 tests with it"
 
 PASSED=0
 FAILED=0
