@@ -218,8 +218,11 @@ async fn operations(
             protocol: Some(agent_api::ExportProtocol {
                 service: u32::from(PORT),
                 acl: true,
+                // The crash states of the marks, not authentication: the same on both kernels.
+                auth_none: true,
             }),
             allowed_host_nqns: vec![],
+            credentials: vec![],
         })
         .await
         .expect("Export a");
@@ -234,6 +237,7 @@ async fn operations(
         token: token(UID_A, generation),
         volume_id: VOL_A.into(),
         host_nqn: host.clone(),
+        credentials: None,
     };
     agent.grant_initiator(acl(3)).await.expect("GrantInitiator");
     acked("GrantInitiator a (generation 3)", &mut values);
