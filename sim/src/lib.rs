@@ -10,8 +10,9 @@
 //! directory, the agent's gRPC service with its `to_the_end` tasks); tonic clients and servers
 //! between them, speaking HTTP/2 over in-memory pipes.
 //!
-//! Simulated: the Kubernetes API ([`store::SimStore`], the API server's compare-and-swap
-//! rules); the network ([`transport`]: drops, delays, reordering, duplicates, lost replies,
+//! Simulated: the Kubernetes API (`pillar-state`'s `MemoryStore`: the API server's
+//! compare-and-swap rules as the embedded store and the API server double run them, with seeded
+//! UIDs; [`store`]); the network ([`transport`]: drops, delays, reordering, duplicates, lost replies,
 //! crashes that break connections); the disks (the plain-file backend, sparse files without
 //! loop devices); time (paused tokio time: a 30 s deadline costs nothing); the blocking pool
 //! (`pillar_agent::blocking`: on the simulation's thread, blocking work runs on a task after a

@@ -12,12 +12,12 @@ use pillar_csi::controller::{Controller, code_of, volume_id_for_name};
 use pillar_csi::csi;
 use pillar_csi::root::{AgentReach, ControllerBuilder};
 use pillar_state::StateStore;
-use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
+use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PillarVolumeState, PoolRef};
 
 use crate::chaos::{Chaos, Fault, FaultCounts, Knobs};
 use crate::invariants::{Checker, Violation};
 use crate::node::{POOL, SimAgent};
-use crate::store::{ReplicaStore, SimStore};
+use crate::store::{replica_store, shared_store};
 use crate::transport::{Link, dialer};
 
 /// The shape of every seed's run.
@@ -151,7 +151,7 @@ async fn world(
     chaos: &Chaos,
     dir: &std::path::Path,
 ) -> Result<(Option<Violation>, usize), SimError> {
-    let store = SimStore::new(chaos.clone());
+    let store = shared_store(chaos);
     store
         .create_protocol(
             PROTOCOL,
@@ -191,7 +191,7 @@ async fn world(
     let dial = dialer(Arc::new(links));
     let mut replicas: Vec<Arc<Controller>> = Vec::new();
     for r in 0..2 {
-        let store = ReplicaStore::new(Arc::clone(&store), chaos.clone(), r);
+        let store = replica_store(Arc::clone(&store) as Arc<dyn StateStore>, chaos.clone(), r);
         let wired = ControllerBuilder::new(store, AgentReach::Dialer(Arc::clone(&dial)))
             .build()
             .await?;
@@ -382,7 +382,7 @@ async fn world(
                     tokio::time::sleep(chaos.pause(100)).await;
                     agent.start().await?;
                 }
-                if let Some(v) = checker.check(&agents, &store.volumes_now()) {
+                if let Some(v) = checker.check(&agents, &store.records::<PillarVolumeState>()?) {
                     violation = Some(v);
                     break;
                 }
@@ -417,7 +417,7 @@ async fn world(
             c.trace(format!("  step {step} ({label}) -> {line}"));
         }));
         tokio::time::sleep(chaos.pause(40)).await;
-        if let Some(v) = checker.check(&agents, &store.volumes_now()) {
+        if let Some(v) = checker.check(&agents, &store.records::<PillarVolumeState>()?) {
             violation = Some(v);
             break;
         }
@@ -432,7 +432,7 @@ async fn world(
         tokio::time::sleep(Duration::from_secs(60)).await;
         replicas[0].resync_waiting_agents().await;
         tokio::time::sleep(Duration::from_secs(60)).await;
-        violation = checker.check(&agents, &store.volumes_now());
+        violation = checker.check(&agents, &store.records::<PillarVolumeState>()?);
     }
     if let Some(v) = &violation {
         chaos.trace(format!("VIOLATION {v}"));

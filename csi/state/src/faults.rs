@@ -1,27 +1,79 @@
-//! A store that makes chosen compare-and-swap writes conflict or wait, for tests of what
-//! callers do under contention (feature `test-double`).
+//! One store wrapper that injects faults into writes, for tests of what callers do under
+//! contention and for the simulation's replicas (feature `faults`).
 //!
-//! [`FaultyStore`] wraps any [`StateStore`]. A write armed with [`FaultyStore::conflict`] fails
-//! with [`StoreError::Conflict`] before reaching the inner store, exactly as a write would whose
-//! object another writer changed in between; nothing is written. A write armed with
-//! [`FaultyStore::pause_next`] waits until the test releases it, then goes to the inner store
-//! with the revision it was given: a controller replica stalled between its read and its write.
-//! Reads and every other write go through unchanged, and every volume write is counted.
+//! [`FaultyStore`] wraps any [`StateStore`] and hands each write, of any kind, to a [`Faults`]
+//! policy before it reaches the inner store (the policy may fail it there: nothing is written)
+//! and after the inner store answered. Reads and events go straight through. The write's
+//! `ObjectApi<K>` is written once for every kind.
+//!
+//! [`Armed`], the default policy, is the tests': a volume write armed with
+//! [`Armed::conflict`] fails with [`StoreError::Conflict`], exactly as a write would whose object
+//! another writer changed in between; one armed with [`Armed::pause_next`] waits until the test
+//! releases it, then goes to the inner store with the revision it was given: a controller
+//! replica stalled between its read and its write. Every volume write is counted.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::Deref;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use async_trait::async_trait;
 
-use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
-    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
-    PillarVolumeStateSpec, PillarVolumeStateStatus,
-};
-use crate::store::{Revision, StateStore, StoreError, VolumeEvent};
+use crate::crd::PillarVolumeState;
+use crate::object::PillarObject;
+use crate::store::{ObjectApi, Revision, StateStore, StoreError, VolumeEvent};
 
-/// The volume writes a [`FaultyStore`] can make conflict.
+/// Which write a [`Faults`] policy is asked about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// A create.
+    Create,
+    /// A spec write.
+    Spec,
+    /// A status write.
+    Status,
+    /// A delete.
+    Delete,
+}
+
+/// One write on its way to the inner store.
+#[derive(Clone, Copy, Debug)]
+pub struct Write<'a> {
+    /// The record's kind.
+    pub kind: &'static str,
+    /// What is written.
+    pub op: Op,
+    /// The record's name.
+    pub name: &'a str,
+    /// The revision it expects (none for a create).
+    pub expected: Option<&'a Revision>,
+}
+
+impl Write<'_> {
+    /// The conflict an API server answers when another writer came first.
+    pub fn conflict(&self, message: &str) -> StoreError {
+        StoreError::Conflict {
+            kind: self.kind,
+            name: self.name.to_owned(),
+            expected: self
+                .expected
+                .map(|r| r.resource_version.clone())
+                .unwrap_or_default(),
+            message: message.to_owned(),
+        }
+    }
+}
+
+/// What a [`FaultyStore`] does to writes.
+#[async_trait]
+pub trait Faults: Send + Sync + fmt::Debug {
+    /// Before `write` reaches the inner store: an error fails it there, and nothing is written.
+    async fn before(&self, write: &Write<'_>) -> Result<(), StoreError>;
+    /// After the inner store answered `write` (`Err`: it refused).
+    async fn after(&self, write: &Write<'_>, answer: Result<(), &StoreError>);
+}
+
+/// The volume writes [`Armed`] can make conflict or wait.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum VolumeWrite {
     Status,
@@ -29,7 +81,22 @@ pub enum VolumeWrite {
     Delete,
 }
 
-/// A write held by [`FaultyStore::pause_next`].
+impl VolumeWrite {
+    /// The volume write `write` is, if it is one.
+    fn of(write: &Write<'_>) -> Option<Self> {
+        if write.kind != PillarVolumeState::KIND {
+            return None;
+        }
+        match write.op {
+            Op::Status => Some(Self::Status),
+            Op::Spec => Some(Self::Spec),
+            Op::Delete => Some(Self::Delete),
+            Op::Create => None,
+        }
+    }
+}
+
+/// A write held by [`Armed::pause_next`].
 #[derive(Debug, Default)]
 pub struct Pause {
     reached: tokio::sync::Notify,
@@ -85,29 +152,13 @@ struct Counters {
     paused: HashMap<VolumeWrite, Arc<Pause>>,
 }
 
-/// See the module documentation.
-pub struct FaultyStore {
-    inner: Arc<dyn StateStore>,
+/// The tests' policy (see the module documentation). Nothing is armed at first.
+#[derive(Debug, Default)]
+pub struct Armed {
     counters: Mutex<Counters>,
 }
 
-impl fmt::Debug for FaultyStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FaultyStore")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
-    }
-}
-
-impl FaultyStore {
-    /// Wraps `inner`; nothing is armed.
-    pub fn new(inner: Arc<dyn StateStore>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            counters: Mutex::new(Counters::default()),
-        })
-    }
-
+impl Armed {
     fn counters(&self) -> std::sync::MutexGuard<'_, Counters> {
         self.counters.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -134,177 +185,151 @@ impl FaultyStore {
         self.counters().conflicts.get(&write).copied().unwrap_or(0)
     }
 
-    fn observe<T>(&self, write: VolumeWrite, result: &Result<T, StoreError>) {
-        if matches!(result, Err(e) if e.is_conflict()) {
-            *self.counters().conflicts.entry(write).or_default() += 1;
-        }
-    }
-
     /// Conflicts injected into `write` so far.
     pub fn injected(&self, write: VolumeWrite) -> usize {
         self.counters().injected.get(&write).copied().unwrap_or(0)
     }
+}
 
-    /// Counts the call, holds it if paused, and decides whether it conflicts.
-    async fn check(
-        &self,
-        write: VolumeWrite,
-        name: &str,
-        expected: &Revision,
-    ) -> Result<(), StoreError> {
-        let pause = self.counters().paused.remove(&write);
+#[async_trait]
+impl Faults for Armed {
+    /// Holds the write if paused, counts it, and decides whether it conflicts.
+    async fn before(&self, write: &Write<'_>) -> Result<(), StoreError> {
+        let Some(kind) = VolumeWrite::of(write) else {
+            return Ok(());
+        };
+        let pause = self.counters().paused.remove(&kind);
         if let Some(pause) = pause {
             pause.hold().await;
         }
         let mut c = self.counters();
-        *c.calls.entry(write).or_default() += 1;
-        let armed = c.armed.entry(write).or_default();
+        *c.calls.entry(kind).or_default() += 1;
+        let armed = c.armed.entry(kind).or_default();
         if *armed == 0 {
             return Ok(());
         }
         if *armed != usize::MAX {
             *armed -= 1;
         }
-        *c.injected.entry(write).or_default() += 1;
-        Err(StoreError::Conflict {
-            kind: "PillarVolumeState",
-            name: name.to_owned(),
-            expected: expected.resource_version.clone(),
-            message: "injected conflict".into(),
-        })
+        *c.injected.entry(kind).or_default() += 1;
+        Err(write.conflict("injected conflict"))
+    }
+
+    async fn after(&self, write: &Write<'_>, answer: Result<(), &StoreError>) {
+        if let (Some(kind), Err(e)) = (VolumeWrite::of(write), answer)
+            && e.is_conflict()
+        {
+            *self.counters().conflicts.entry(kind).or_default() += 1;
+        }
+    }
+}
+
+/// See the module documentation. It dereferences to its policy.
+pub struct FaultyStore<F = Armed> {
+    inner: Arc<dyn StateStore>,
+    faults: F,
+}
+
+impl<F: fmt::Debug> fmt::Debug for FaultyStore<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyStore")
+            .field("inner", &self.inner)
+            .field("faults", &self.faults)
+            .finish()
+    }
+}
+
+impl FaultyStore<Armed> {
+    /// Wraps `inner` with the tests' policy; nothing is armed.
+    pub fn new(inner: Arc<dyn StateStore>) -> Arc<Self> {
+        Self::with_faults(inner, Armed::default())
+    }
+}
+
+impl<F: Faults> FaultyStore<F> {
+    /// Wraps `inner` with `faults`.
+    pub fn with_faults(inner: Arc<dyn StateStore>, faults: F) -> Arc<Self> {
+        Arc::new(Self { inner, faults })
+    }
+
+    /// Runs `call` on the inner store between the policy's `before` and `after`.
+    async fn write<T>(
+        &self,
+        write: Write<'_>,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        self.faults.before(&write).await?;
+        let answer = call.await;
+        self.faults.after(&write, answer.as_ref().map(|_| ())).await;
+        answer
+    }
+}
+
+impl<F> Deref for FaultyStore<F> {
+    type Target = F;
+    fn deref(&self) -> &F {
+        &self.faults
+    }
+}
+
+fn write_of<'a, K: PillarObject>(
+    op: Op,
+    name: &'a str,
+    expected: Option<&'a Revision>,
+) -> Write<'a> {
+    Write {
+        kind: K::KIND,
+        op,
+        name,
+        expected,
     }
 }
 
 #[async_trait]
-impl StateStore for FaultyStore {
-    async fn get_volume(&self, name: &str) -> Result<Option<PillarVolumeState>, StoreError> {
-        self.inner.get_volume(name).await
+impl<K: PillarObject, F: Faults> ObjectApi<K> for FaultyStore<F>
+where
+    dyn StateStore: ObjectApi<K>,
+{
+    async fn get(&self, name: &str) -> Result<Option<K>, StoreError> {
+        ObjectApi::<K>::get(&*self.inner, name).await
     }
-    async fn list_volumes(&self) -> Result<Vec<PillarVolumeState>, StoreError> {
-        self.inner.list_volumes().await
+    async fn list(&self) -> Result<Vec<K>, StoreError> {
+        ObjectApi::<K>::list(&*self.inner).await
     }
-    async fn create_volume(
-        &self,
-        name: &str,
-        spec: PillarVolumeStateSpec,
-    ) -> Result<PillarVolumeState, StoreError> {
-        self.inner.create_volume(name, spec).await
-    }
-    async fn replace_volume_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarVolumeStateStatus,
-    ) -> Result<PillarVolumeState, StoreError> {
-        self.check(VolumeWrite::Status, name, expected).await?;
-        let result = self
-            .inner
-            .replace_volume_status(name, expected, status)
-            .await;
-        self.observe(VolumeWrite::Status, &result);
-        result
-    }
-    async fn replace_volume_spec(
-        &self,
-        name: &str,
-        expected: &Revision,
-        spec: PillarVolumeStateSpec,
-    ) -> Result<PillarVolumeState, StoreError> {
-        self.check(VolumeWrite::Spec, name, expected).await?;
-        let result = self.inner.replace_volume_spec(name, expected, spec).await;
-        self.observe(VolumeWrite::Spec, &result);
-        result
-    }
-    async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.check(VolumeWrite::Delete, name, expected).await?;
-        let result = self.inner.delete_volume(name, expected).await;
-        self.observe(VolumeWrite::Delete, &result);
-        result
-    }
-    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError> {
-        self.inner.get_snapshot(name).await
-    }
-    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError> {
-        self.inner.list_snapshots().await
-    }
-    async fn create_snapshot(
-        &self,
-        name: &str,
-        spec: PillarSnapshotStateSpec,
-    ) -> Result<PillarSnapshotState, StoreError> {
-        self.inner.create_snapshot(name, spec).await
-    }
-    async fn replace_snapshot_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarSnapshotStateStatus,
-    ) -> Result<PillarSnapshotState, StoreError> {
-        self.inner
-            .replace_snapshot_status(name, expected, status)
+    async fn create(&self, name: &str, spec: K::Spec) -> Result<K, StoreError> {
+        let call = ObjectApi::<K>::create(&*self.inner, name, spec);
+        self.write(write_of::<K>(Op::Create, name, None), call)
             .await
     }
-    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.inner.delete_snapshot(name, expected).await
-    }
-    async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {
-        self.inner.get_agent(name).await
-    }
-    async fn list_agents(&self) -> Result<Vec<PillarAgent>, StoreError> {
-        self.inner.list_agents().await
-    }
-    async fn create_agent(
-        &self,
-        name: &str,
-        spec: PillarAgentSpec,
-    ) -> Result<PillarAgent, StoreError> {
-        self.inner.create_agent(name, spec).await
-    }
-    async fn replace_agent_spec(
+    async fn replace_spec(
         &self,
         name: &str,
         expected: &Revision,
-        spec: PillarAgentSpec,
-    ) -> Result<PillarAgent, StoreError> {
-        self.inner.replace_agent_spec(name, expected, spec).await
-    }
-    async fn replace_agent_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarAgentStatus,
-    ) -> Result<PillarAgent, StoreError> {
-        self.inner
-            .replace_agent_status(name, expected, status)
+        spec: K::Spec,
+    ) -> Result<K, StoreError> {
+        let call = ObjectApi::<K>::replace_spec(&*self.inner, name, expected, spec);
+        self.write(write_of::<K>(Op::Spec, name, Some(expected)), call)
             .await
     }
-    async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.inner.delete_agent(name, expected).await
-    }
-    async fn get_protocol(&self, name: &str) -> Result<Option<PillarProtocol>, StoreError> {
-        self.inner.get_protocol(name).await
-    }
-    async fn list_protocols(&self) -> Result<Vec<PillarProtocol>, StoreError> {
-        self.inner.list_protocols().await
-    }
-    async fn create_protocol(
-        &self,
-        name: &str,
-        spec: PillarProtocolSpec,
-    ) -> Result<PillarProtocol, StoreError> {
-        self.inner.create_protocol(name, spec).await
-    }
-    async fn replace_protocol_spec(
+    async fn replace_status(
         &self,
         name: &str,
         expected: &Revision,
-        spec: PillarProtocolSpec,
-    ) -> Result<PillarProtocol, StoreError> {
-        self.inner.replace_protocol_spec(name, expected, spec).await
+        status: K::Status,
+    ) -> Result<K, StoreError> {
+        let call = ObjectApi::<K>::replace_status(&*self.inner, name, expected, status);
+        self.write(write_of::<K>(Op::Status, name, Some(expected)), call)
+            .await
     }
-    async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.inner.delete_protocol(name, expected).await
+    async fn delete(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        let call = ObjectApi::<K>::delete(&*self.inner, name, expected);
+        self.write(write_of::<K>(Op::Delete, name, Some(expected)), call)
+            .await
     }
+}
+
+#[async_trait]
+impl<F: Faults> StateStore for FaultyStore<F> {
     async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
         self.inner.record_volume_event(event).await
     }

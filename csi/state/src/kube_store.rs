@@ -1,4 +1,5 @@
-//! [`KubeStore`]: the [`StateStore`] over the Kubernetes API, through kube-rs.
+//! [`KubeStore`]: the store over the Kubernetes API, through kube-rs: one `ObjectApi<K>` for
+//! every kind. The compare-and-swap rules are the API server's own.
 //!
 //! Request shapes (what the API server enforces, and what the test double checks):
 //! - create: `POST /apis/pillar-csi.io/v1alpha1/<plural>` with the object (no status: the server
@@ -27,12 +28,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::core::Status;
 
-use crate::crd::{
-    PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
-    PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
-    PillarVolumeStateSpec, PillarVolumeStateStatus,
+use crate::crd::PillarVolumeState;
+use crate::store::{
+    ObjectApi, PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name,
 };
-use crate::store::{PillarObject, Revision, StateStore, StoreError, VolumeEvent, validate_name};
 
 /// The namespace events about pillar's cluster-scoped objects are created in.
 pub const EVENT_NAMESPACE: &str = "default";
@@ -43,7 +42,7 @@ pub const DEFAULT_REPORTING_INSTANCE: &str = "pillar-csi-controller";
 /// The API server's limit on `reportingInstance`, `action` and `reason`.
 const EVENT_FIELD_LIMIT: usize = 128;
 
-/// The [`StateStore`] backed by the Kubernetes API.
+/// The store backed by the Kubernetes API.
 #[derive(Clone)]
 pub struct KubeStore {
     client: kube::Client,
@@ -378,128 +377,39 @@ impl KubeStore {
 }
 
 #[async_trait]
+impl<K: PillarObject> ObjectApi<K> for KubeStore {
+    async fn get(&self, name: &str) -> Result<Option<K>, StoreError> {
+        KubeStore::get(self, name).await
+    }
+    async fn list(&self) -> Result<Vec<K>, StoreError> {
+        KubeStore::list(self).await
+    }
+    async fn create(&self, name: &str, spec: K::Spec) -> Result<K, StoreError> {
+        KubeStore::create(self, name, spec).await
+    }
+    async fn replace_spec(
+        &self,
+        name: &str,
+        expected: &Revision,
+        spec: K::Spec,
+    ) -> Result<K, StoreError> {
+        KubeStore::replace_spec(self, name, expected, spec).await
+    }
+    async fn replace_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: K::Status,
+    ) -> Result<K, StoreError> {
+        KubeStore::replace_status(self, name, expected, &status).await
+    }
+    async fn delete(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
+        KubeStore::delete::<K>(self, name, expected).await
+    }
+}
+
+#[async_trait]
 impl StateStore for KubeStore {
-    async fn get_volume(&self, name: &str) -> Result<Option<PillarVolumeState>, StoreError> {
-        self.get(name).await
-    }
-    async fn list_volumes(&self) -> Result<Vec<PillarVolumeState>, StoreError> {
-        self.list().await
-    }
-    async fn create_volume(
-        &self,
-        name: &str,
-        spec: PillarVolumeStateSpec,
-    ) -> Result<PillarVolumeState, StoreError> {
-        self.create::<PillarVolumeState>(name, spec).await
-    }
-    async fn replace_volume_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarVolumeStateStatus,
-    ) -> Result<PillarVolumeState, StoreError> {
-        self.replace_status::<PillarVolumeState>(name, expected, &status)
-            .await
-    }
-    async fn replace_volume_spec(
-        &self,
-        name: &str,
-        expected: &Revision,
-        spec: PillarVolumeStateSpec,
-    ) -> Result<PillarVolumeState, StoreError> {
-        self.replace_spec::<PillarVolumeState>(name, expected, spec)
-            .await
-    }
-    async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.delete::<PillarVolumeState>(name, expected).await
-    }
-
-    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError> {
-        self.get(name).await
-    }
-    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError> {
-        self.list().await
-    }
-    async fn create_snapshot(
-        &self,
-        name: &str,
-        spec: PillarSnapshotStateSpec,
-    ) -> Result<PillarSnapshotState, StoreError> {
-        self.create::<PillarSnapshotState>(name, spec).await
-    }
-    async fn replace_snapshot_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarSnapshotStateStatus,
-    ) -> Result<PillarSnapshotState, StoreError> {
-        self.replace_status::<PillarSnapshotState>(name, expected, &status)
-            .await
-    }
-    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.delete::<PillarSnapshotState>(name, expected).await
-    }
-
-    async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError> {
-        self.get(name).await
-    }
-    async fn list_agents(&self) -> Result<Vec<PillarAgent>, StoreError> {
-        self.list().await
-    }
-    async fn create_agent(
-        &self,
-        name: &str,
-        spec: PillarAgentSpec,
-    ) -> Result<PillarAgent, StoreError> {
-        self.create::<PillarAgent>(name, spec).await
-    }
-    async fn replace_agent_spec(
-        &self,
-        name: &str,
-        expected: &Revision,
-        spec: PillarAgentSpec,
-    ) -> Result<PillarAgent, StoreError> {
-        self.replace_spec::<PillarAgent>(name, expected, spec).await
-    }
-    async fn replace_agent_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarAgentStatus,
-    ) -> Result<PillarAgent, StoreError> {
-        self.replace_status::<PillarAgent>(name, expected, &status)
-            .await
-    }
-    async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.delete::<PillarAgent>(name, expected).await
-    }
-
-    async fn get_protocol(&self, name: &str) -> Result<Option<PillarProtocol>, StoreError> {
-        self.get(name).await
-    }
-    async fn list_protocols(&self) -> Result<Vec<PillarProtocol>, StoreError> {
-        self.list().await
-    }
-    async fn create_protocol(
-        &self,
-        name: &str,
-        spec: PillarProtocolSpec,
-    ) -> Result<PillarProtocol, StoreError> {
-        self.create::<PillarProtocol>(name, spec).await
-    }
-    async fn replace_protocol_spec(
-        &self,
-        name: &str,
-        expected: &Revision,
-        spec: PillarProtocolSpec,
-    ) -> Result<PillarProtocol, StoreError> {
-        self.replace_spec::<PillarProtocol>(name, expected, spec)
-            .await
-    }
-    async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError> {
-        self.delete::<PillarProtocol>(name, expected).await
-    }
-
     async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError> {
         validate_name(PillarVolumeState::KIND, &event.volume)?;
         let now = k8s_openapi::jiff::Timestamp::now();

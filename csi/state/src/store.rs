@@ -6,23 +6,30 @@
 //! [`StoreError::NotFound`] when the name is gone). Nothing is ever overwritten blindly: the caller
 //! re-reads and retries, or reports ABORTED.
 //!
-//! Two implementations: [`KubeStore`](crate::kube_store::KubeStore) over the Kubernetes API and
-//! [`EmbeddedStore`](crate::embedded::EmbeddedStore) on a local directory for single-machine mode.
-//! Both follow the API server's semantics: creating never writes a status, a status write never
-//! changes the spec, a spec write never changes the status, and a write that changes nothing
-//! keeps the resourceVersion.
+//! The store is generic over the kind, as kube's `Api<K>` is: [`ObjectApi<K>`] (get, list,
+//! create, replace spec, replace status, delete) for any [`PillarObject`] `K`, and
+//! [`StateStore`] is every kind's `ObjectApi` plus where volume events go, with the controller's
+//! per-kind shorthands (`get_volume`, `replace_volume_status`, ...) as provided methods.
+//!
+//! Adapters: [`KubeStore`](crate::kube_store::KubeStore) over the Kubernetes API,
+//! [`EmbeddedStore`](crate::embedded::EmbeddedStore) on a local directory for single-machine mode,
+//! and [`MemoryStore`](crate::memory::MemoryStore) in memory (the simulation, tests). The last two
+//! (and the API server test double) apply the compare-and-swap rules of [`core`](crate::core),
+//! written once; the first gets them from the API server.
 
+use std::convert::Infallible;
 use std::fmt::Debug;
+use std::future::Future;
+use std::pin::Pin;
 
 use async_trait::async_trait;
-use kube::Resource;
-use serde::{Serialize, de::DeserializeOwned};
 
 use crate::crd::{
     PillarAgent, PillarAgentSpec, PillarAgentStatus, PillarProtocol, PillarProtocolSpec,
     PillarSnapshotState, PillarSnapshotStateSpec, PillarSnapshotStateStatus, PillarVolumeState,
     PillarVolumeStateSpec, PillarVolumeStateStatus,
 };
+pub use crate::object::PillarObject;
 
 /// The object a compare-and-swap expects to find: one lifecycle (UID) at one resourceVersion.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -154,9 +161,18 @@ pub enum StoreError {
         #[source]
         source: kube::Error,
     },
+    /// A record did not convert between its kind and the JSON the in-memory store keeps it as.
+    #[error("a {kind} record does not convert to or from JSON")]
+    Json {
+        /// Object kind.
+        kind: &'static str,
+        /// The serde error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// The embedded store failed on disk.
     #[error(transparent)]
-    Embedded(#[from] crate::embedded::EmbeddedError),
+    Embedded(#[from] crate::embedded_error::EmbeddedError),
     /// This store keeps no DH-HMAC-CHAP credentials (W10).
     #[error(
         "this controller's store keeps no DH-HMAC-CHAP credentials, so node {node} cannot be \
@@ -167,6 +183,12 @@ pub enum StoreError {
         /// The node.
         node: String,
     },
+}
+
+impl From<Infallible> for StoreError {
+    fn from(never: Infallible) -> Self {
+        match never {}
+    }
 }
 
 impl StoreError {
@@ -241,107 +263,54 @@ impl VolumeEvent {
     }
 }
 
-/// Compare-and-swap access to pillar's records.
+/// A boxed future of a store call, as the typed shorthands of [`StateStore`] return.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// Compare-and-swap access to the records of one kind `K`, as kube's `Api<K>` offers it.
 ///
 /// Objects come back with `metadata.uid` and `metadata.resourceVersion` set; pass
-/// [`Revision::of`] of what you read to any write.
+/// [`Revision::of`] of what you read to any write. Every adapter follows the rules of
+/// [`core`](crate::core), the API server's: a create never writes a status, a status write never
+/// changes the spec, a spec write never changes the status, and a write that changes nothing
+/// keeps the resourceVersion.
 #[async_trait]
-pub trait StateStore: Send + Sync + Debug {
-    /// One volume, or `None`.
-    async fn get_volume(&self, name: &str) -> Result<Option<PillarVolumeState>, StoreError>;
-    /// Every volume, ordered by name.
-    async fn list_volumes(&self) -> Result<Vec<PillarVolumeState>, StoreError>;
-    /// Creates a volume record with no status. [`StoreError::AlreadyExists`] if the name is taken.
-    async fn create_volume(
-        &self,
-        name: &str,
-        spec: PillarVolumeStateSpec,
-    ) -> Result<PillarVolumeState, StoreError>;
-    /// Replaces the status if the object is still `expected`; the spec is untouched.
-    async fn replace_volume_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarVolumeStateStatus,
-    ) -> Result<PillarVolumeState, StoreError>;
+pub trait ObjectApi<K: PillarObject>: Send + Sync {
+    /// One object, or `None`.
+    async fn get(&self, name: &str) -> Result<Option<K>, StoreError>;
+    /// Every object of the kind, ordered by name.
+    async fn list(&self) -> Result<Vec<K>, StoreError>;
+    /// Creates an object with no status. [`StoreError::AlreadyExists`] if the name is taken.
+    async fn create(&self, name: &str, spec: K::Spec) -> Result<K, StoreError>;
     /// Replaces the spec if the object is still `expected`; the status is untouched.
-    async fn replace_volume_spec(
+    async fn replace_spec(
         &self,
         name: &str,
         expected: &Revision,
-        spec: PillarVolumeStateSpec,
-    ) -> Result<PillarVolumeState, StoreError>;
-    /// Deletes the volume record if it is still `expected`.
-    async fn delete_volume(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
+        spec: K::Spec,
+    ) -> Result<K, StoreError>;
+    /// Replaces the status if the object is still `expected`; the spec is untouched.
+    async fn replace_status(
+        &self,
+        name: &str,
+        expected: &Revision,
+        status: K::Status,
+    ) -> Result<K, StoreError>;
+    /// Deletes the object if it is still `expected`.
+    async fn delete(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
+}
 
-    /// One snapshot, or `None`.
-    async fn get_snapshot(&self, name: &str) -> Result<Option<PillarSnapshotState>, StoreError>;
-    /// Every snapshot, ordered by name.
-    async fn list_snapshots(&self) -> Result<Vec<PillarSnapshotState>, StoreError>;
-    /// Creates a snapshot record with no status. [`StoreError::AlreadyExists`] if the name is
-    /// taken.
-    async fn create_snapshot(
-        &self,
-        name: &str,
-        spec: PillarSnapshotStateSpec,
-    ) -> Result<PillarSnapshotState, StoreError>;
-    /// Replaces a snapshot's status if it is still `expected`; the spec is untouched.
-    async fn replace_snapshot_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarSnapshotStateStatus,
-    ) -> Result<PillarSnapshotState, StoreError>;
-    /// Deletes a snapshot record if it is still `expected`.
-    async fn delete_snapshot(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
-
-    /// One agent, or `None`.
-    async fn get_agent(&self, name: &str) -> Result<Option<PillarAgent>, StoreError>;
-    /// Every agent, ordered by name.
-    async fn list_agents(&self) -> Result<Vec<PillarAgent>, StoreError>;
-    /// Creates an agent record.
-    async fn create_agent(
-        &self,
-        name: &str,
-        spec: PillarAgentSpec,
-    ) -> Result<PillarAgent, StoreError>;
-    /// Replaces an agent's spec if it is still `expected`.
-    async fn replace_agent_spec(
-        &self,
-        name: &str,
-        expected: &Revision,
-        spec: PillarAgentSpec,
-    ) -> Result<PillarAgent, StoreError>;
-    /// Replaces an agent's status if it is still `expected`.
-    async fn replace_agent_status(
-        &self,
-        name: &str,
-        expected: &Revision,
-        status: PillarAgentStatus,
-    ) -> Result<PillarAgent, StoreError>;
-    /// Deletes an agent record if it is still `expected`.
-    async fn delete_agent(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
-
-    /// One protocol, or `None`.
-    async fn get_protocol(&self, name: &str) -> Result<Option<PillarProtocol>, StoreError>;
-    /// Every protocol, ordered by name.
-    async fn list_protocols(&self) -> Result<Vec<PillarProtocol>, StoreError>;
-    /// Creates a protocol record.
-    async fn create_protocol(
-        &self,
-        name: &str,
-        spec: PillarProtocolSpec,
-    ) -> Result<PillarProtocol, StoreError>;
-    /// Replaces a protocol's spec if it is still `expected`.
-    async fn replace_protocol_spec(
-        &self,
-        name: &str,
-        expected: &Revision,
-        spec: PillarProtocolSpec,
-    ) -> Result<PillarProtocol, StoreError>;
-    /// Deletes a protocol record if it is still `expected`.
-    async fn delete_protocol(&self, name: &str, expected: &Revision) -> Result<(), StoreError>;
-
+/// Every kind's [`ObjectApi`] and the volume events: what the controller keeps its records in.
+///
+/// An adapter writes its `ObjectApi<K>` once, for any `K`, and here only where its events go;
+/// the per-kind methods are shorthands for the controller's call sites.
+#[async_trait]
+pub trait StateStore:
+    ObjectApi<PillarVolumeState>
+    + ObjectApi<PillarSnapshotState>
+    + ObjectApi<PillarAgent>
+    + ObjectApi<PillarProtocol>
+    + Debug
+{
     /// Records an Event about a volume. Best-effort for the caller: a failure is for the log,
     /// never a reason to fail the operation the event reports.
     async fn record_volume_event(&self, event: &VolumeEvent) -> Result<(), StoreError>;
@@ -372,98 +341,143 @@ pub trait StateStore: Send + Sync + Debug {
             node: node.to_owned(),
         })
     }
-}
 
-/// What the stores need to know about each of the three record types.
-pub trait PillarObject:
-    Resource<DynamicType = (), Scope = kube::core::ClusterResourceScope>
-    + Clone
-    + Debug
-    + PartialEq
-    + Serialize
-    + DeserializeOwned
-    + Send
-    + Sync
-    + 'static
-{
-    /// `kind`.
-    const KIND: &'static str;
-    /// The resource's plural name (URL segment, directory name).
-    const PLURAL: &'static str;
-    /// Whether the type has a status subresource.
-    const HAS_STATUS: bool;
-    /// The spec type.
-    type Spec: Clone + Debug + PartialEq + Serialize + DeserializeOwned + Send + Sync + 'static;
+    /// [`ObjectApi::get`] of a volume.
+    fn get_volume<'a>(&'a self, name: &'a str) -> StoreFuture<'a, Option<PillarVolumeState>> {
+        ObjectApi::<PillarVolumeState>::get(self, name)
+    }
+    /// [`ObjectApi::list`] of volumes.
+    fn list_volumes(&self) -> StoreFuture<'_, Vec<PillarVolumeState>> {
+        ObjectApi::<PillarVolumeState>::list(self)
+    }
+    /// [`ObjectApi::create`] of a volume.
+    fn create_volume<'a>(
+        &'a self,
+        name: &'a str,
+        spec: PillarVolumeStateSpec,
+    ) -> StoreFuture<'a, PillarVolumeState> {
+        ObjectApi::<PillarVolumeState>::create(self, name, spec)
+    }
+    /// [`ObjectApi::replace_status`] of a volume.
+    fn replace_volume_status<'a>(
+        &'a self,
+        name: &'a str,
+        expected: &'a Revision,
+        status: PillarVolumeStateStatus,
+    ) -> StoreFuture<'a, PillarVolumeState> {
+        ObjectApi::<PillarVolumeState>::replace_status(self, name, expected, status)
+    }
+    /// [`ObjectApi::replace_spec`] of a volume.
+    fn replace_volume_spec<'a>(
+        &'a self,
+        name: &'a str,
+        expected: &'a Revision,
+        spec: PillarVolumeStateSpec,
+    ) -> StoreFuture<'a, PillarVolumeState> {
+        ObjectApi::<PillarVolumeState>::replace_spec(self, name, expected, spec)
+    }
+    /// [`ObjectApi::delete`] of a volume.
+    fn delete_volume<'a>(&'a self, name: &'a str, expected: &'a Revision) -> StoreFuture<'a, ()> {
+        ObjectApi::<PillarVolumeState>::delete(self, name, expected)
+    }
 
-    /// A new object with only a name and a spec.
-    fn build(name: &str, spec: Self::Spec) -> Self;
-    /// The spec.
-    fn spec(&self) -> &Self::Spec;
-    /// Replaces the spec.
-    fn set_spec(&mut self, spec: Self::Spec);
-}
+    /// [`ObjectApi::get`] of a snapshot.
+    fn get_snapshot<'a>(&'a self, name: &'a str) -> StoreFuture<'a, Option<PillarSnapshotState>> {
+        ObjectApi::<PillarSnapshotState>::get(self, name)
+    }
+    /// [`ObjectApi::list`] of snapshots.
+    fn list_snapshots(&self) -> StoreFuture<'_, Vec<PillarSnapshotState>> {
+        ObjectApi::<PillarSnapshotState>::list(self)
+    }
+    /// [`ObjectApi::create`] of a snapshot.
+    fn create_snapshot<'a>(
+        &'a self,
+        name: &'a str,
+        spec: PillarSnapshotStateSpec,
+    ) -> StoreFuture<'a, PillarSnapshotState> {
+        ObjectApi::<PillarSnapshotState>::create(self, name, spec)
+    }
+    /// [`ObjectApi::replace_status`] of a snapshot.
+    fn replace_snapshot_status<'a>(
+        &'a self,
+        name: &'a str,
+        expected: &'a Revision,
+        status: PillarSnapshotStateStatus,
+    ) -> StoreFuture<'a, PillarSnapshotState> {
+        ObjectApi::<PillarSnapshotState>::replace_status(self, name, expected, status)
+    }
+    /// [`ObjectApi::delete`] of a snapshot.
+    fn delete_snapshot<'a>(&'a self, name: &'a str, expected: &'a Revision) -> StoreFuture<'a, ()> {
+        ObjectApi::<PillarSnapshotState>::delete(self, name, expected)
+    }
 
-impl PillarObject for PillarVolumeState {
-    const KIND: &'static str = "PillarVolumeState";
-    const PLURAL: &'static str = "pillarvolumestates";
-    const HAS_STATUS: bool = true;
-    type Spec = PillarVolumeStateSpec;
-    fn build(name: &str, spec: Self::Spec) -> Self {
-        Self::new(name, spec)
+    /// [`ObjectApi::get`] of an agent.
+    fn get_agent<'a>(&'a self, name: &'a str) -> StoreFuture<'a, Option<PillarAgent>> {
+        ObjectApi::<PillarAgent>::get(self, name)
     }
-    fn spec(&self) -> &Self::Spec {
-        &self.spec
+    /// [`ObjectApi::list`] of agents.
+    fn list_agents(&self) -> StoreFuture<'_, Vec<PillarAgent>> {
+        ObjectApi::<PillarAgent>::list(self)
     }
-    fn set_spec(&mut self, spec: Self::Spec) {
-        self.spec = spec;
+    /// [`ObjectApi::create`] of an agent.
+    fn create_agent<'a>(
+        &'a self,
+        name: &'a str,
+        spec: PillarAgentSpec,
+    ) -> StoreFuture<'a, PillarAgent> {
+        ObjectApi::<PillarAgent>::create(self, name, spec)
     }
-}
+    /// [`ObjectApi::replace_spec`] of an agent.
+    fn replace_agent_spec<'a>(
+        &'a self,
+        name: &'a str,
+        expected: &'a Revision,
+        spec: PillarAgentSpec,
+    ) -> StoreFuture<'a, PillarAgent> {
+        ObjectApi::<PillarAgent>::replace_spec(self, name, expected, spec)
+    }
+    /// [`ObjectApi::replace_status`] of an agent.
+    fn replace_agent_status<'a>(
+        &'a self,
+        name: &'a str,
+        expected: &'a Revision,
+        status: PillarAgentStatus,
+    ) -> StoreFuture<'a, PillarAgent> {
+        ObjectApi::<PillarAgent>::replace_status(self, name, expected, status)
+    }
+    /// [`ObjectApi::delete`] of an agent.
+    fn delete_agent<'a>(&'a self, name: &'a str, expected: &'a Revision) -> StoreFuture<'a, ()> {
+        ObjectApi::<PillarAgent>::delete(self, name, expected)
+    }
 
-impl PillarObject for PillarSnapshotState {
-    const KIND: &'static str = "PillarSnapshotState";
-    const PLURAL: &'static str = "pillarsnapshotstates";
-    const HAS_STATUS: bool = true;
-    type Spec = PillarSnapshotStateSpec;
-    fn build(name: &str, spec: Self::Spec) -> Self {
-        Self::new(name, spec)
+    /// [`ObjectApi::get`] of a protocol.
+    fn get_protocol<'a>(&'a self, name: &'a str) -> StoreFuture<'a, Option<PillarProtocol>> {
+        ObjectApi::<PillarProtocol>::get(self, name)
     }
-    fn spec(&self) -> &Self::Spec {
-        &self.spec
+    /// [`ObjectApi::list`] of protocols.
+    fn list_protocols(&self) -> StoreFuture<'_, Vec<PillarProtocol>> {
+        ObjectApi::<PillarProtocol>::list(self)
     }
-    fn set_spec(&mut self, spec: Self::Spec) {
-        self.spec = spec;
+    /// [`ObjectApi::create`] of a protocol.
+    fn create_protocol<'a>(
+        &'a self,
+        name: &'a str,
+        spec: PillarProtocolSpec,
+    ) -> StoreFuture<'a, PillarProtocol> {
+        ObjectApi::<PillarProtocol>::create(self, name, spec)
     }
-}
-
-impl PillarObject for PillarAgent {
-    const KIND: &'static str = "PillarAgent";
-    const PLURAL: &'static str = "pillaragents";
-    const HAS_STATUS: bool = false;
-    type Spec = PillarAgentSpec;
-    fn build(name: &str, spec: Self::Spec) -> Self {
-        Self::new(name, spec)
+    /// [`ObjectApi::replace_spec`] of a protocol.
+    fn replace_protocol_spec<'a>(
+        &'a self,
+        name: &'a str,
+        expected: &'a Revision,
+        spec: PillarProtocolSpec,
+    ) -> StoreFuture<'a, PillarProtocol> {
+        ObjectApi::<PillarProtocol>::replace_spec(self, name, expected, spec)
     }
-    fn spec(&self) -> &Self::Spec {
-        &self.spec
-    }
-    fn set_spec(&mut self, spec: Self::Spec) {
-        self.spec = spec;
-    }
-}
-
-impl PillarObject for PillarProtocol {
-    const KIND: &'static str = "PillarProtocol";
-    const PLURAL: &'static str = "pillarprotocols";
-    const HAS_STATUS: bool = false;
-    type Spec = PillarProtocolSpec;
-    fn build(name: &str, spec: Self::Spec) -> Self {
-        Self::new(name, spec)
-    }
-    fn spec(&self) -> &Self::Spec {
-        &self.spec
-    }
-    fn set_spec(&mut self, spec: Self::Spec) {
-        self.spec = spec;
+    /// [`ObjectApi::delete`] of a protocol.
+    fn delete_protocol<'a>(&'a self, name: &'a str, expected: &'a Revision) -> StoreFuture<'a, ()> {
+        ObjectApi::<PillarProtocol>::delete(self, name, expected)
     }
 }
 

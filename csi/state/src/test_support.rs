@@ -79,3 +79,22 @@ pub(crate) async fn kube() -> Harness {
         _dir: None,
     }
 }
+
+/// The core's own store: the rules on the in-memory tables.
+pub(crate) fn memory() -> Harness {
+    Harness {
+        store: Arc::new(crate::MemoryStore::new()),
+        double: None,
+        _dir: None,
+    }
+}
+
+/// The generic fault-injecting wrapper, disarmed, over the core's store: it must change nothing.
+pub(crate) fn faulty_memory() -> Harness {
+    let inner: Arc<dyn StateStore> = Arc::new(crate::MemoryStore::new());
+    Harness {
+        store: crate::faults::FaultyStore::new(inner),
+        double: None,
+        _dir: None,
+    }
+}

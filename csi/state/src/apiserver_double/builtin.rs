@@ -177,7 +177,7 @@ fn list_events(st: &State, ns: &str) -> Answer {
         json!({
             "apiVersion": EVENTS_API_VERSION,
             "kind": "EventList",
-            "metadata": { "resourceVersion": st.rv.to_string() },
+            "metadata": { "resourceVersion": st.core.last_version().to_string() },
             "items": items,
         }),
     )

@@ -1,14 +1,41 @@
 //! pillar's custom resources as the API server keeps them (the rules in the parent module's
-//! documentation): list, get, create, update of the main resource or `/status`, delete.
+//! documentation): list, get, create, update of the main resource or `/status`, delete. The
+//! compare-and-swap rules are the [`core`](crate::core)'s; this module turns requests into its
+//! calls and its refusals into the API server's answers.
+
+use std::convert::Infallible;
 
 use hyper::{Method, StatusCode};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Map, Value, json};
 
 use super::{
-    Answer, KINDS, KindInfo, State, already_exists, bad_request, failure_status, meta_insert,
-    meta_str, method_not_allowed, stamp_created, unknown_path, with_metadata,
+    Answer, State, already_exists, bad_request, failure_status, meta_str, method_not_allowed,
+    unknown_path, with_metadata,
 };
+use crate::core::{self, Half, Precondition, Refusal, Why};
 use crate::crd::{API_VERSION, GROUP};
+use crate::object::{KINDS, Kind};
+
+type KindInfo = Kind;
+
+/// Why a request failed: the core refused it, or the server answered before or after the core.
+enum Fail {
+    Refused(Refusal),
+    Answer(Answer),
+}
+
+impl From<Refusal> for Fail {
+    fn from(r: Refusal) -> Self {
+        Self::Refused(r)
+    }
+}
+
+impl From<Infallible> for Fail {
+    fn from(never: Infallible) -> Self {
+        match never {}
+    }
+}
 
 /// `rest`: the path after `/apis/<group>/<version>/`.
 pub(super) fn route(st: &mut State, rest: &str, method: &Method, body: Option<Value>) -> Answer {
@@ -34,30 +61,31 @@ pub(super) fn route(st: &mut State, rest: &str, method: &Method, body: Option<Va
 
 fn list(st: &State, info: KindInfo) -> Answer {
     let items: Vec<Value> = st
-        .objects
-        .get(info.plural)
-        .map(|m| m.values().cloned().collect())
-        .unwrap_or_default();
+        .core
+        .records(info.plural)
+        .cloned()
+        .map(Value::Object)
+        .collect();
     (
         StatusCode::OK,
         json!({
             "apiVersion": API_VERSION,
             "kind": format!("{}List", info.kind),
-            "metadata": { "resourceVersion": st.rv.to_string() },
+            "metadata": { "resourceVersion": st.core.last_version().to_string() },
             "items": items,
         }),
     )
 }
 
 fn get(st: &State, info: KindInfo, name: &str) -> Answer {
-    match st.objects.get(info.plural).and_then(|m| m.get(name)) {
-        Some(obj) => (StatusCode::OK, obj.clone()),
+    match st.core.get(info.plural, name) {
+        Some(obj) => (StatusCode::OK, Value::Object(obj.clone())),
         None => not_found(info, name),
     }
 }
 
 fn create(st: &mut State, info: KindInfo, body: Option<Value>) -> Answer {
-    let Some(Value::Object(mut obj)) = body else {
+    let Some(Value::Object(obj)) = body else {
         return bad_request("the body of the request was in an unknown format");
     };
     if let Some(answer) = check_type(info, &obj) {
@@ -97,32 +125,28 @@ fn create(st: &mut State, info: KindInfo, body: Option<Value>) -> Answer {
             json!({}),
         );
     }
-    if st
-        .objects
-        .get(info.plural)
-        .is_some_and(|m| m.contains_key(&name))
-    {
-        return already_exists(info.plural, GROUP, &name);
+    let uid = uuid::Uuid::new_v4().to_string();
+    let schemas = &st.schemas;
+    let admit = |obj: &mut Map<String, Value>| {
+        schemas
+            .admit(info.plural, obj)
+            .map_err(|errors| Fail::Answer(invalid_fields(info, &name, &errors)))?;
+        with_metadata(obj, |meta| {
+            let now = Time(k8s_openapi::jiff::Timestamp::now());
+            meta.insert(
+                "creationTimestamp".into(),
+                serde_json::to_value(now).unwrap_or(Value::Null),
+            );
+            meta.remove("deletionTimestamp");
+            meta.remove("deletionGracePeriodSeconds");
+        });
+        Ok(())
+    };
+    match core::create(&mut st.core, info, &name, obj, uid, admit) {
+        Ok(obj) => (StatusCode::CREATED, Value::Object(obj)),
+        Err(Fail::Answer(answer)) => answer,
+        Err(Fail::Refused(_)) => already_exists(info.plural, GROUP, &name),
     }
-    if info.has_status {
-        obj.remove("status");
-    }
-    if let Err(errors) = st.schemas.admit(info.plural, &mut obj) {
-        return invalid_fields(info, &name, &errors);
-    }
-    let rv = st.next_rv();
-    stamp_created(&mut obj, rv, None);
-    with_metadata(&mut obj, |meta| {
-        meta.insert("generation".into(), json!(1));
-        meta.remove("deletionTimestamp");
-        meta.remove("deletionGracePeriodSeconds");
-    });
-    let obj = Value::Object(obj);
-    st.objects
-        .entry(info.plural)
-        .or_default()
-        .insert(name, obj.clone());
-    (StatusCode::CREATED, obj)
 }
 
 fn update(st: &mut State, info: KindInfo, name: &str, body: Option<Value>, status: bool) -> Answer {
@@ -138,167 +162,93 @@ fn update(st: &mut State, info: KindInfo, name: &str, body: Option<Value>, statu
             "the name of the object ({body_name}) does not match the name on the URL ({name})"
         ));
     }
-    let Some(Value::Object(current)) = st.objects.get(info.plural).and_then(|m| m.get(name)) else {
-        return not_found(info, name);
+    let uid = meta_str(&body, "uid")
+        .filter(|u| !u.is_empty())
+        .map(str::to_owned);
+    let rv = meta_str(&body, "resourceVersion")
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned);
+    let pre = Precondition {
+        uid: uid.as_deref(),
+        resource_version: rv.as_deref(),
     };
-    let current = current.clone();
-    let current_uid = meta_str(&current, "uid").unwrap_or_default().to_owned();
-    let current_rv = meta_str(&current, "resourceVersion")
-        .unwrap_or_default()
-        .to_owned();
-    // 1. The UID in the body is a storage precondition (rest.defaultUpdatedObjectInfo).
-    if let Some(uid) = meta_str(&body, "uid").filter(|u| !u.is_empty())
-        && uid != current_uid
-    {
-        return failure_status(
+    let half = if status { Half::Status } else { Half::Spec };
+    let schemas = &st.schemas;
+    let admit = |next: &mut Map<String, Value>| {
+        if !status && has_finalizers(next) {
+            return Err(Fail::Answer(unsupported("metadata.finalizers")));
+        }
+        schemas
+            .admit(info.plural, next)
+            .map_err(|errors| Fail::Answer(invalid_fields(info, name, &errors)))
+    };
+    match core::replace(&mut st.core, info, name, pre, half, |_| body, admit) {
+        Ok(next) => (StatusCode::OK, Value::Object(next)),
+        Err(Fail::Answer(answer)) => answer,
+        Err(Fail::Refused(r)) => update_refused(info, name, r),
+    }
+}
+
+/// The API server's answer to an update the core refused.
+fn update_refused(info: KindInfo, name: &str, refusal: Refusal) -> Answer {
+    match refusal.why {
+        Why::NotFound => not_found(info, name),
+        // The UID in the body is a storage precondition (rest.defaultUpdatedObjectInfo).
+        Why::UidMismatch { expected, current } => failure_status(
             409,
             "Conflict",
             &format!(
                 "Operation cannot be fulfilled on {}.{GROUP} \"{name}\": StorageError: invalid \
                  object, Code: 4, Key: /{GROUP}/{}/{name}, ResourceVersion: 0, \
-                 AdditionalErrorMsg: Precondition failed: UID in precondition: {uid}, UID in \
-                 object meta: {current_uid}",
+                 AdditionalErrorMsg: Precondition failed: UID in precondition: {expected}, UID in \
+                 object meta: {current}",
                 info.plural, info.plural
             ),
             details(info.plural, name),
-        );
-    }
-    // 2. Custom resources do not allow unconditional updates.
-    let body_rv = meta_str(&body, "resourceVersion").unwrap_or_default();
-    if body_rv.is_empty() {
-        return invalid(
+        ),
+        // Custom resources do not allow unconditional updates.
+        Why::VersionRequired => invalid(
             info,
             name,
             "metadata.resourceVersion",
             "Invalid value: 0x0: must be specified for an update",
-        );
+        ),
+        Why::VersionInvalid { given } => bad_request(&format!("invalid resource version: {given}")),
+        Why::Conflict { .. } | Why::AlreadyExists => conflict_modified(info, name),
     }
-    if body_rv.parse::<u64>().is_err() {
-        return bad_request(&format!("invalid resource version: {body_rv}"));
-    }
-    // 3. Optimistic lock.
-    if body_rv != current_rv {
-        return conflict_modified(info, name);
-    }
-    if !status && has_finalizers(&body) {
-        return unsupported("metadata.finalizers");
-    }
-    let mut next = if status {
-        // Status strategy: the old object with the body's status.
-        let mut next = current.clone();
-        match body.get("status") {
-            Some(s) => {
-                next.insert("status".into(), s.clone());
-            }
-            None => {
-                next.remove("status");
-            }
-        }
-        next
-    } else {
-        let mut next = body.clone();
-        if info.has_status {
-            match current.get("status") {
-                Some(s) => {
-                    next.insert("status".into(), s.clone());
-                }
-                None => {
-                    next.remove("status");
-                }
-            }
-        }
-        // System fields the request cannot change.
-        let old_meta = current
-            .get("metadata")
-            .and_then(Value::as_object)
-            .cloned()
-            .unwrap_or_default();
-        with_metadata(&mut next, |meta| {
-            for key in ["uid", "creationTimestamp", "generation"] {
-                match old_meta.get(key) {
-                    Some(v) => {
-                        meta.insert(key.into(), v.clone());
-                    }
-                    None => {
-                        meta.remove(key);
-                    }
-                }
-            }
-        });
-        if without_metadata(&next) != without_metadata(&current) {
-            let generation = old_meta
-                .get("generation")
-                .and_then(Value::as_i64)
-                .unwrap_or(0);
-            meta_insert(&mut next, "generation", json!(generation.saturating_add(1)));
-        }
-        next
-    };
-    if let Err(errors) = st.schemas.admit(info.plural, &mut next) {
-        return invalid_fields(info, name, &errors);
-    }
-    meta_insert(&mut next, "resourceVersion", json!(current_rv));
-    if next == current {
-        // No change: etcd is not written and the resourceVersion stays.
-        return (StatusCode::OK, Value::Object(current));
-    }
-    let rv = st.next_rv();
-    meta_insert(&mut next, "resourceVersion", json!(rv));
-    let next = Value::Object(next);
-    st.objects
-        .entry(info.plural)
-        .or_default()
-        .insert(name.to_owned(), next.clone());
-    (StatusCode::OK, next)
 }
 
 fn delete(st: &mut State, info: KindInfo, name: &str, body: Option<Value>) -> Answer {
-    let Some(Value::Object(current)) = st.objects.get(info.plural).and_then(|m| m.get(name)) else {
-        return not_found(info, name);
-    };
-    let current = current.clone();
     let preconditions = body
         .as_ref()
         .and_then(|b| b.get("preconditions"))
         .cloned()
         .unwrap_or(Value::Null);
-    let current_uid = meta_str(&current, "uid").unwrap_or_default();
-    let current_rv = meta_str(&current, "resourceVersion").unwrap_or_default();
+    let pre = Precondition {
+        uid: preconditions.get("uid").and_then(Value::as_str),
+        resource_version: preconditions.get("resourceVersion").and_then(Value::as_str),
+    };
     // rest.BeforeDelete: the resource in these messages is Kind.group.
     let resource = format!("{}.{GROUP}", info.kind);
-    if let Some(uid) = preconditions.get("uid").and_then(Value::as_str)
-        && uid != current_uid
-    {
-        return failure_status(
-            409,
-            "Conflict",
-            &format!(
-                "Operation cannot be fulfilled on {resource} \"{name}\": the UID in the \
-                 precondition ({uid}) does not match the UID in record ({current_uid}). The \
-                 object might have been deleted and then recreated"
-            ),
-            details(info.kind, name),
-        );
-    }
-    if let Some(rv) = preconditions.get("resourceVersion").and_then(Value::as_str)
-        && rv != current_rv
-    {
-        return failure_status(
-            409,
-            "Conflict",
-            &format!(
-                "Operation cannot be fulfilled on {resource} \"{name}\": the ResourceVersion in \
-                 the precondition ({rv}) does not match the ResourceVersion in record \
-                 ({current_rv}). The object might have been modified"
-            ),
-            details(info.kind, name),
-        );
-    }
-    if let Some(m) = st.objects.get_mut(info.plural) {
-        m.remove(name);
-    }
-    st.next_rv();
-    (StatusCode::OK, Value::Object(current))
+    let refused = match core::delete::<_, _, Fail>(&mut st.core, info, name, pre) {
+        Ok(current) => return (StatusCode::OK, Value::Object(current)),
+        Err(Fail::Answer(answer)) => return answer,
+        Err(Fail::Refused(r)) => r,
+    };
+    let message = match refused.why {
+        Why::UidMismatch { expected, current } => format!(
+            "Operation cannot be fulfilled on {resource} \"{name}\": the UID in the \
+             precondition ({expected}) does not match the UID in record ({current}). The \
+             object might have been deleted and then recreated"
+        ),
+        Why::Conflict { expected, current } => format!(
+            "Operation cannot be fulfilled on {resource} \"{name}\": the ResourceVersion in \
+             the precondition ({expected}) does not match the ResourceVersion in record \
+             ({current}). The object might have been modified"
+        ),
+        _ => return not_found(info, name),
+    };
+    failure_status(409, "Conflict", &message, details(info.kind, name))
 }
 
 fn check_type(info: KindInfo, obj: &Map<String, Value>) -> Option<Answer> {
@@ -321,13 +271,6 @@ fn has_finalizers(obj: &Map<String, Value>) -> bool {
         .and_then(|m| m.get("finalizers"))
         .and_then(Value::as_array)
         .is_some_and(|f| !f.is_empty())
-}
-
-fn without_metadata(obj: &Map<String, Value>) -> Map<String, Value> {
-    obj.iter()
-        .filter(|(k, _)| k.as_str() != "metadata")
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
 }
 
 fn details(kind: &str, name: &str) -> Value {

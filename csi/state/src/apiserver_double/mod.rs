@@ -5,7 +5,10 @@
 //! `/apis/pillar-csi.io/v1alpha1/{pillarvolumestates,pillarsnapshotstates,pillaragents,pillarprotocols}`. Point a
 //! [`kube::Client`] at it with [`ApiServerDouble::client`].
 //!
-//! It follows the real API server's rules for custom resources, read from the Kubernetes source
+//! Its custom resources are kept by the [`core`](crate::core) rules, the same code the embedded
+//! and in-memory stores run, on JSON records; this module adds HTTP, the server's answers
+//! and what the core leaves to the server (schemas, names, finalizers). The rules, as read from
+//! the Kubernetes source
 //! (`apiextensions-apiserver/pkg/registry/customresource/{strategy,status_strategy}.go`,
 //! `apiserver/pkg/registry/generic/registry/store.go`, `apiserver/pkg/registry/rest/{update,
 //! delete}.go`, `apiserver/pkg/storage/errors/storage.go`):
@@ -76,6 +79,7 @@ use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+use crate::core::Memory;
 use crate::crd::{GROUP, VERSION};
 
 mod builtin;
@@ -154,41 +158,11 @@ pub struct InjectedFailure {
     pub message: String,
 }
 
-#[derive(Clone, Copy)]
-struct KindInfo {
-    plural: &'static str,
-    kind: &'static str,
-    has_status: bool,
-}
-
-const KINDS: [KindInfo; 4] = [
-    KindInfo {
-        plural: "pillarvolumestates",
-        kind: "PillarVolumeState",
-        has_status: true,
-    },
-    KindInfo {
-        plural: "pillarsnapshotstates",
-        kind: "PillarSnapshotState",
-        has_status: true,
-    },
-    KindInfo {
-        plural: "pillaragents",
-        kind: "PillarAgent",
-        has_status: true,
-    },
-    KindInfo {
-        plural: "pillarprotocols",
-        kind: "PillarProtocol",
-        has_status: false,
-    },
-];
-
 #[derive(Default)]
 struct State {
-    rv: u64,
-    /// plural -> name -> object.
-    objects: BTreeMap<&'static str, BTreeMap<String, Value>>,
+    /// The custom resources and the one resourceVersion counter (Leases and Events take their
+    /// versions from it too).
+    core: Memory,
     log: Vec<RecordedRequest>,
     failures: Vec<InjectedFailure>,
     /// Events in the order they were created.
@@ -207,8 +181,7 @@ struct State {
 
 impl State {
     fn next_rv(&mut self) -> String {
-        self.rv = self.rv.saturating_add(1);
-        self.rv.to_string()
+        self.core.take_version().to_string()
     }
 }
 
@@ -223,7 +196,7 @@ pub struct ApiServerDouble {
 impl std::fmt::Debug for State {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("State")
-            .field("rv", &self.rv)
+            .field("rv", &self.core.last_version())
             .field("requests", &self.log.len())
             .finish_non_exhaustive()
     }
@@ -324,10 +297,10 @@ impl ApiServerDouble {
     /// The stored object, as the server holds it.
     pub fn object(&self, plural: &str, name: &str) -> Option<Value> {
         self.state()
-            .objects
-            .get(plural)
-            .and_then(|m| m.get(name))
+            .core
+            .get(plural, name)
             .cloned()
+            .map(Value::Object)
     }
 
     /// Every Event created so far (`events.k8s.io/v1`, as stored), oldest first.
@@ -345,7 +318,7 @@ impl ApiServerDouble {
 
     /// The current global resourceVersion.
     pub fn resource_version(&self) -> u64 {
-        self.state().rv
+        self.state().core.last_version()
     }
 
     /// Answers the next request matching `failure.method` and `failure.path_suffix` with the

@@ -1,5 +1,6 @@
-//! The store contract, written once and run against both the EmbeddedStore and the KubeStore
-//! over the API server double.
+//! The store contract, written once and run over the core's own store (`MemoryStore`), the
+//! EmbeddedStore, the KubeStore over the API server double (itself on the core), and the generic
+//! fault-injecting wrapper, disarmed.
 
 use crate::StateStore;
 use crate::crd::{AccessMode, PillarVolumeStateStatus, PublishedNode};
@@ -455,6 +456,109 @@ async fn generation_increments_are_sequential(store: &dyn StateStore) {
     }
 }
 
+// proves W1: one resourceVersion counter for every kind, and a delete takes a value of it too
+// (as etcd's revision): a version is never handed out twice.
+async fn one_counter_for_every_kind(store: &dyn StateStore) {
+    let v = store
+        .create_volume("vol-a", volume_spec("vol-a"))
+        .await
+        .unwrap();
+    let a = store
+        .create_agent("agent-1", agent_spec("n1"))
+        .await
+        .unwrap();
+    let p = store.create_protocol("p", protocol_spec()).await.unwrap();
+    let (rv_v, rv_a, rv_p) = (
+        rv_num(&Revision::of(&v).unwrap()),
+        rv_num(&Revision::of(&a).unwrap()),
+        rv_num(&Revision::of(&p).unwrap()),
+    );
+    assert!(rv_v < rv_a && rv_a < rv_p, "{rv_v} {rv_a} {rv_p}");
+    store
+        .delete_volume("vol-a", &Revision::of(&v).unwrap())
+        .await
+        .unwrap();
+    let again = store
+        .create_volume("vol-a", volume_spec("vol-a"))
+        .await
+        .unwrap();
+    let rv_again = rv_num(&Revision::of(&again).unwrap());
+    assert!(
+        rv_again > rv_p + 1,
+        "the delete took {}: {rv_again}",
+        rv_p + 1
+    );
+}
+
+// proves W1 (and W2's single writer): two writers holding the same revision write at once;
+// exactly one wins and the other gets Conflict, whatever the adapter
+async fn concurrent_writers_one_wins(store: &dyn StateStore) {
+    let v = store
+        .create_volume("vol-a", volume_spec("vol-a"))
+        .await
+        .unwrap();
+    let rev = Revision::of(&v).unwrap();
+    let (a, b) = tokio::join!(
+        store.replace_volume_status("vol-a", &rev, published("node-1")),
+        store.replace_volume_status("vol-a", &rev, published("node-2")),
+    );
+    let (winner, loser) = match (a, b) {
+        (Ok(w), Err(e)) | (Err(e), Ok(w)) => (w, e),
+        other => panic!("exactly one writer must win: {other:?}"),
+    };
+    assert!(loser.is_conflict(), "got {loser:?}");
+    assert_eq!(store.get_volume("vol-a").await.unwrap().unwrap(), winner);
+    // The same for a spec write against a status write.
+    let rev = Revision::of(&winner).unwrap();
+    let mut bigger = volume_spec("vol-a");
+    bigger.size_bytes *= 2;
+    let (a, b) = tokio::join!(
+        store.replace_volume_spec("vol-a", &rev, bigger),
+        store.replace_volume_status("vol-a", &rev, published("node-3")),
+    );
+    assert!(
+        a.is_ok() != b.is_ok(),
+        "exactly one writer must win: {a:?} {b:?}"
+    );
+    let err = a.err().or(b.err()).unwrap();
+    assert!(err.is_conflict(), "got {err:?}");
+}
+
+// proves W1: a status write never changes the spec, and a spec write never the status, for
+// every kind with a status
+async fn halves_are_written_apart(store: &dyn StateStore) {
+    let a = store
+        .create_agent("agent-1", agent_spec("n1"))
+        .await
+        .unwrap();
+    let status = crate::crd::PillarAgentStatus {
+        state: "Serving".into(),
+        message: String::new(),
+        last_transition_time: None,
+        last_resync_time: None,
+        exports_restored: 1,
+        exports_failed: 0,
+    };
+    let with_status = store
+        .replace_agent_status("agent-1", &Revision::of(&a).unwrap(), status.clone())
+        .await
+        .unwrap();
+    assert_eq!(with_status.spec, a.spec, "a status write keeps the spec");
+    assert_eq!(with_status.metadata.generation, Some(1));
+    let moved = store
+        .replace_agent_spec(
+            "agent-1",
+            &Revision::of(&with_status).unwrap(),
+            agent_spec("n2"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(moved.status, Some(status), "a spec write keeps the status");
+    assert_eq!(moved.spec, agent_spec("n2"));
+    assert_eq!(moved.metadata.generation, Some(2));
+    assert_eq!(store.get_agent("agent-1").await.unwrap().unwrap(), moved);
+}
+
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
         mod embedded {
@@ -471,6 +575,24 @@ macro_rules! contract {
                 #[tokio::test]
                 async fn $case() {
                     let h = crate::test_support::kube().await;
+                    super::$case(&*h.store).await;
+                }
+            )*
+        }
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let h = crate::test_support::memory();
+                    super::$case(&*h.store).await;
+                }
+            )*
+        }
+        mod faulty_memory {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let h = crate::test_support::faulty_memory();
                     super::$case(&*h.store).await;
                 }
             )*
@@ -492,4 +614,7 @@ contract!(
     snapshots_are_compare_and_swap_records_with_their_own_lifecycle,
     invalid_names_are_refused,
     generation_increments_are_sequential,
+    one_counter_for_every_kind,
+    concurrent_writers_one_wins,
+    halves_are_written_apart,
 );

@@ -165,3 +165,14 @@ async fn kube_over_double_no_generation_increment_is_lost() {
     let h = crate::test_support::kube().await;
     no_generation_increment_is_lost(h.store.clone()).await;
 }
+
+// No memory_exactly_one_publisher_wins: the memory store never awaits inside a call, so two
+// publishers almost never interleave between their read and their write and the test's "some
+// round conflicted" cannot be met. The contract's concurrent_writers_one_wins races two writers
+// of one revision on it instead.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_no_generation_increment_is_lost() {
+    let h = crate::test_support::memory();
+    no_generation_increment_is_lost(h.store.clone()).await;
+}
