@@ -247,13 +247,13 @@ fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
         }
         creds.insert(host, auth);
     }
-    if protocol.auth {
-        if let Some(missing) = allowed_hosts.iter().find(|h| !creds.contains_key(*h)) {
-            return Err(invalid(
-                "credentials",
-                format!("the export requires DH-HMAC-CHAP and {missing} has no credentials"),
-            ));
-        }
+    if protocol.auth
+        && let Some(missing) = allowed_hosts.iter().find(|h| !creds.contains_key(*h))
+    {
+        return Err(invalid(
+            "credentials",
+            format!("the export requires DH-HMAC-CHAP and {missing} has no credentials"),
+        ));
     }
     Ok(ExportRequest {
         token: token(r.token),

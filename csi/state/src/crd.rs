@@ -396,6 +396,8 @@ pub struct PoolRef {
 }
 
 /// How volumes are exported and attached.
+// Several print columns share `type_ = "string"`: the lint reads them as one attribute repeated.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[kube(
     group = "pillar-csi.io",

@@ -167,10 +167,10 @@ pub fn get_or_create(
     node: &str,
     host_nqn: &str,
 ) -> Result<NodeCredentials, CredentialsError> {
-    if let Some(c) = read(dir, node)? {
-        if c.host_nqn == host_nqn {
-            return Ok(c);
-        }
+    if let Some(c) = read(dir, node)?
+        && c.host_nqn == host_nqn
+    {
+        return Ok(c);
     }
     let c = NodeCredentials::generate(node, host_nqn)?;
     write(dir, &c)?;

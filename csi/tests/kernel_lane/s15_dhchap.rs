@@ -73,7 +73,7 @@ fn refused(what: &str, r: Result<pillar_host::Controller, HostError>) {
 }
 
 fn write_read(dev: &Path, seed: u64) {
-    let payload = pattern(seed, MIB as usize);
+    let payload = pattern(seed, usize::try_from(MIB).expect("a MiB fits usize"));
     {
         let mut f = OpenOptions::new().write(true).open(dev).unwrap();
         f.write_all(&payload).unwrap();
