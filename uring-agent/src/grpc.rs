@@ -230,6 +230,8 @@ fn credentials(
 }
 
 fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
+    // Parse order (the first bad field is the one named): volume, protocol, hosts, credentials.
+    let volume = volume_id(&r.volume_id)?;
     let protocol = protocol(r.protocol)?;
     let allowed_hosts = r
         .allowed_host_nqns
@@ -257,7 +259,7 @@ fn export_request(r: api::ExportRequest) -> Result<ExportRequest, AgentError> {
     }
     Ok(ExportRequest {
         token: token(r.token),
-        volume: volume_id(&r.volume_id)?,
+        volume,
         pool: r.pool,
         protocol,
         allowed_hosts,
