@@ -270,10 +270,15 @@ async fn s15_dhchap() {
         if let Some(line) = lab.kmsg.find(k1, &["auth"]) {
             println!("  kernel after the host's rotation: {line}");
         }
-        assert_eq!(
-            lab.kmsg.find(k1, &["authentication failed"]),
-            None,
-            "re-authentication with the rotated secret failed"
+        // The two host writes are two re-authentications: between them the host holds one
+        // new and one old secret, and that one may fail (seen on 7.2). The one after the
+        // second write must succeed, and nothing may fail after it.
+        let failed = lab.kmsg.last_position(k1, &["authentication failed"]);
+        let succeeded = lab.kmsg.last_position(k1, &["authenticated with hash"]);
+        assert!(
+            succeeded.is_some() && succeeded > failed,
+            "re-authentication with the rotated secrets did not end authenticated \
+             (last failure at {failed:?}, last success at {succeeded:?})"
         );
         assert!(sys.exists(), "the controller stays after the rotation");
         write_read(&dev.dev_path, 143);

@@ -174,6 +174,20 @@ impl Kmsg {
             .cloned()
     }
 
+    /// The position of the last line at or after `from` containing every one of `needles`.
+    pub(crate) fn last_position<S: AsRef<str>>(
+        &mut self,
+        from: usize,
+        needles: &[S],
+    ) -> Option<usize> {
+        self.poll();
+        let from = from.min(self.lines.len());
+        self.lines[from..]
+            .iter()
+            .rposition(|l| contains_all(l, needles))
+            .map(|i| from + i)
+    }
+
     /// The first line at or after `from` matching any one of the needle sets.
     pub(crate) fn find_any<S: AsRef<str>>(
         &mut self,
