@@ -231,9 +231,7 @@ impl StateStore for MemoryStore {
         if let Some(c) = map.get(node).filter(|c| c.host_nqn == host_nqn) {
             return Ok(c.clone());
         }
-        let c = crate::credentials::NodeCredentials::generate(node, host_nqn).map_err(|e| {
-            StoreError::Embedded(crate::embedded_error::EmbeddedError::Credentials(e))
-        })?;
+        let c = crate::credentials::NodeCredentials::generate(node, host_nqn)?;
         map.insert(node.to_owned(), c.clone());
         Ok(c)
     }
@@ -243,9 +241,7 @@ impl StateStore for MemoryStore {
         node: &str,
         host_nqn: &str,
     ) -> Result<crate::credentials::NodeCredentials, StoreError> {
-        let c = crate::credentials::NodeCredentials::generate(node, host_nqn).map_err(|e| {
-            StoreError::Embedded(crate::embedded_error::EmbeddedError::Credentials(e))
-        })?;
+        let c = crate::credentials::NodeCredentials::generate(node, host_nqn)?;
         let mut map = self
             .credentials
             .lock()

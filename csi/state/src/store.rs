@@ -185,6 +185,14 @@ pub enum StoreError {
     },
 }
 
+/// A node's credentials could not be read or made: the store's own failure on disk or in the
+/// OS's randomness, as every store reports it.
+impl From<crate::credentials::CredentialsError> for StoreError {
+    fn from(e: crate::credentials::CredentialsError) -> Self {
+        Self::Embedded(crate::embedded_error::EmbeddedError::Credentials(e))
+    }
+}
+
 impl From<Infallible> for StoreError {
     fn from(never: Infallible) -> Self {
         match never {}

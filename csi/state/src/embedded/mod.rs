@@ -219,11 +219,8 @@ impl StateStore for EmbeddedStore {
         let (node, host_nqn) = (node.to_owned(), host_nqn.to_owned());
         let dir = self.root.join(CREDENTIALS_DIR);
         // Under the store's lock: two publications of one node make one pair.
-        self.run(move |_| {
-            crate::credentials::get_or_create(&dir, &node, &host_nqn)
-                .map_err(|e| StoreError::Embedded(EmbeddedError::Credentials(e)))
-        })
-        .await
+        self.run(move |_| Ok(crate::credentials::get_or_create(&dir, &node, &host_nqn)?))
+            .await
     }
 
     async fn rotate_node_credentials(
@@ -234,9 +231,9 @@ impl StateStore for EmbeddedStore {
         let (node, host_nqn) = (node.to_owned(), host_nqn.to_owned());
         let dir = self.root.join(CREDENTIALS_DIR);
         self.run(move |_| {
-            let fresh = crate::credentials::NodeCredentials::generate(&node, &host_nqn)
-                .and_then(|c| crate::credentials::write(&dir, &c).map(|()| c));
-            fresh.map_err(|e| StoreError::Embedded(EmbeddedError::Credentials(e)))
+            let fresh = crate::credentials::NodeCredentials::generate(&node, &host_nqn)?;
+            crate::credentials::write(&dir, &fresh)?;
+            Ok(fresh)
         })
         .await
     }
