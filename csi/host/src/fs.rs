@@ -197,7 +197,7 @@ fn read_region(file: &File, dev: &Path, offset: u64, len: u64) -> Result<(), Hos
 }
 
 /// Parses `blkid -o export` output.
-fn parse_blkid_export(out: &str) -> Option<Signature> {
+pub(crate) fn parse_blkid_export(out: &str) -> Option<Signature> {
     let mut sig = Signature::default();
     let mut devname = false;
     for line in out.lines() {

@@ -63,7 +63,7 @@ fn ext4_needs_recovery(dev: &Path) -> Result<bool, HostError> {
 }
 
 /// `needs_recovery` from the bytes of an ext4 superblock.
-fn parse_ext4_superblock(sb: &[u8; EXT4_SUPERBLOCK_LEN]) -> Result<bool, String> {
+pub(crate) fn parse_ext4_superblock(sb: &[u8; EXT4_SUPERBLOCK_LEN]) -> Result<bool, String> {
     let magic = u16::from_le_bytes([sb[EXT4_MAGIC_AT], sb[EXT4_MAGIC_AT + 1]]);
     if magic != EXT4_MAGIC {
         return Err(format!(
@@ -98,7 +98,7 @@ fn xfs_log_dirty(dev: &Path) -> Result<bool, HostError> {
 /// The log's state from `xfs_logprint -t`'s line `log tail: T head: H state: <CLEAN|DIRTY>`:
 /// `Some(true)` when dirty. Both the words and the numbers must agree (clean means head ==
 /// tail); anything else is `None`.
-fn parse_logprint_state(stdout: &str) -> Option<bool> {
+pub(crate) fn parse_logprint_state(stdout: &str) -> Option<bool> {
     let line = stdout
         .lines()
         .map(str::trim)

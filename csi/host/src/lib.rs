@@ -50,6 +50,38 @@ pub use mountinfo::MountEntry;
 #[doc(hidden)]
 pub use stage::fuzzing as stage_fuzzing;
 pub use stage::{StageMode, StagePhase, StageRecord, StageStore};
+
+/// The parsers of kernel and tool output that have no public entry of their own, for the fuzz
+/// targets only (`fuzz/`); not part of the crate's API.
+#[doc(hidden)]
+pub mod readers_fuzzing {
+    /// `blkid -o export` output, as [`crate::probe`] reads it.
+    pub fn blkid_export(out: &str) -> Option<crate::Signature> {
+        crate::fs::parse_blkid_export(out)
+    }
+
+    /// An ext4 superblock's "needs recovery", as [`crate::log_needs_recovery`] reads it.
+    pub fn ext4_needs_recovery(sb: &[u8; 1024]) -> Result<bool, String> {
+        crate::journal::parse_ext4_superblock(sb)
+    }
+
+    /// `xfs_logprint -t`'s log state, as [`crate::log_needs_recovery`] reads it.
+    pub fn xfs_log_dirty(stdout: &str) -> Option<bool> {
+        crate::journal::parse_logprint_state(stdout)
+    }
+
+    /// A block device's `dev` attribute (`major:minor`).
+    pub fn devnum(s: &str) -> Option<(u32, u32)> {
+        crate::sysfs::parse_devnum(s)
+    }
+
+    /// The kernel's reply to a connect (`instance=N,cntlid=M`).
+    pub use crate::fabrics::parse_reply;
+    /// Every controller under `<sys>/class/nvme`.
+    pub use crate::sysfs::all_controllers;
+    /// Whether a disk name is a namespace's (`nvme<C>n<N>`).
+    pub use crate::sysfs::is_namespace_name;
+}
 pub use sysfs::{
     ControllerInfo, ControllerState, NamespaceDevice, NamespaceParent, POLL_INTERVAL,
     controller_live, controllers_for, disconnect_subsystem, namespaces_for, namespaces_for_host,

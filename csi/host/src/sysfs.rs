@@ -414,7 +414,7 @@ fn read_namespace(
     }))
 }
 
-fn parse_devnum(s: &str) -> Option<(u32, u32)> {
+pub(crate) fn parse_devnum(s: &str) -> Option<(u32, u32)> {
     let (major, minor) = s.split_once(':')?;
     if !is_digits(major) || !is_digits(minor) {
         return None;

@@ -11,8 +11,10 @@
 pub mod agent_request;
 pub mod configfs;
 pub mod csi_request;
+pub mod host_readers;
 pub mod records;
 pub mod rewriter;
+mod tree;
 
 /// A target's check: panics on a violated property.
 pub type Check = fn(&[u8]);
@@ -24,6 +26,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("agent_request", agent_request::check),
     ("csi_request", csi_request::check),
     ("configfs", configfs::check),
+    ("host_readers", host_readers::check),
 ];
 
 /// Most a decoded value may take re-encoded, for an input of `len` bytes: decoding never

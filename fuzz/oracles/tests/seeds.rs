@@ -35,6 +35,7 @@ fn write_seed_corpora() {
     agent_requests();
     csi_requests();
     configfs();
+    host_readers();
 }
 
 fn records() {
@@ -333,4 +334,71 @@ l ports/1/subsystems/other ../../../subsystems/{sub}
 "
     );
     write("configfs", "any-host-two-links", any.as_bytes());
+}
+
+fn host_readers() {
+    let sub = "nqn.2024-01.io.pillar:pvc-1";
+    let ctl = "devices/virtual/nvme-fabrics/ctl";
+    let subsys = "devices/virtual/nvme-subsystem/nvme-subsys0";
+    let attrs = |name: &str| {
+        format!(
+            "f {ctl}/{name}/subsysnqn {sub}\nf {ctl}/{name}/state live\nf {ctl}/{name}/transport tcp\n\
+             f {ctl}/{name}/hostnqn {HOST}\nf {ctl}/{name}/address traddr=192.0.2.1,trsvcid=4420\n\
+             l class/nvme/{name} ../../{ctl}/{name}\n"
+        )
+    };
+    let disk = |name: &str, parent: &str| {
+        format!(
+            "l block/{name}/device ../../{parent}\nf block/{name}/size 2097152\n\
+             f block/{name}/uuid 6a1e0c9e-34f4-4c1e-9d55-0f2b4a8d7e11\n\
+             f block/{name}/nguid 6a1e0c9e-34f4-4c1e-9d55-0f2b4a8d7e11\n\
+             f block/{name}/nsid 1\nf block/{name}/dev 259:0\nf block/{name}/hidden 0\n"
+        )
+    };
+    // Multipath on: the disk hangs under the subsystem, which links its controller.
+    let multipath = format!(
+        "{}f {subsys}/subsysnqn {sub}\nl {subsys}/nvme0 ../../nvme-fabrics/ctl/nvme0\n{}",
+        attrs("nvme0"),
+        disk("nvme0n1", subsys)
+    );
+    write("host_readers", "sysfs-multipath", multipath.as_bytes());
+    // Multipath off: the disk hangs under the controller; a hidden path disk beside it.
+    let single = format!(
+        "{}{}f block/nvme1c1n1/hidden 1\n",
+        attrs("nvme1"),
+        disk("nvme1n1", &format!("{ctl}/nvme1"))
+    );
+    write("host_readers", "sysfs-controller-parent", single.as_bytes());
+    let mounts = "36 25 259:0 / /var/lib/kubelet/plugins/kubernetes.io/csi/pillar.csi.io/x/globalmount \
+                  rw,relatime shared:1 - ext4 /dev/nvme0n1 rw\n\
+                  37 36 259:0 /dir\\040with\\040space /mnt/b ro master:2 - xfs /dev/nvme0n1 ro,nouuid\n";
+    write("host_readers", "mountinfo", mounts.as_bytes());
+    write("host_readers", "connect-reply", b"instance=3,cntlid=17\n");
+    write(
+        "host_readers",
+        "blkid",
+        b"DEVNAME=/dev/nvme0n1\nUUID=0a1b\nBLOCK_SIZE=4096\nTYPE=xfs\nUSAGE=filesystem\n",
+    );
+    write(
+        "host_readers",
+        "logprint",
+        b"xfs_logprint:\n    data device: 0x10300\nlog tail: 2 head: 2 state: <CLEAN>\n",
+    );
+    let mut sb = vec![0u8; 1024];
+    sb[0x38..0x3A].copy_from_slice(&0xEF53u16.to_le_bytes());
+    sb[0x60] = 0x04 | 0x40;
+    write("host_readers", "ext4-superblock-recover", &sb);
+    let mut report = vec![0u8; 64 + 2 * 64];
+    report[0..4].copy_from_slice(&7u32.to_le_bytes());
+    report[4] = 1;
+    report[5..7].copy_from_slice(&2u16.to_le_bytes());
+    let registrants = [(1u16, true, 0x1111u64, 0x10u8), (2, false, 0x2222, 0x11)];
+    for (i, (cntlid, holds, key, host)) in registrants.into_iter().enumerate() {
+        let e = &mut report[64 + i * 64..128 + i * 64];
+        e[0..2].copy_from_slice(&cntlid.to_le_bytes());
+        e[2] = u8::from(holds);
+        e[8..16].copy_from_slice(&key.to_le_bytes());
+        e[16..32].copy_from_slice(&[host; 16]);
+    }
+    write("host_readers", "resv-report-two", &report);
 }
