@@ -145,18 +145,20 @@ kubelet_starts() {
 
 # node_plugin_log [kubectl logs args]: the node plugin container's log on NODE (colours
 # stripped).
+# The node plugin pod on NODE (the DaemonSet's; one per node). A pod being deleted is left out.
+node_plugin_pod() {
+  k -n "$NS" get pods -l app=pillar-node --field-selector "spec.nodeName=$NODE" -o json |
+    jq -r '[.items[] | select(.metadata.deletionTimestamp == null)][0].metadata.name // empty'
+}
+
 node_plugin_log() {
-  local pod; pod=$(k -n "$NS" get pods -l app=pillar-node --field-selector "spec.nodeName=$NODE" \
-    -o jsonpath='{.items[0].metadata.name}')
-  k -n "$NS" logs "$pod" -c pillar "$@" | sed 's/\x1b\[[0-9;]*m//g'
+  k -n "$NS" logs "$(node_plugin_pod)" -c pillar "$@" | sed 's/\x1b\[[0-9;]*m//g'
 }
 
 # in_node_plugin COMMAND...: runs COMMAND in the node plugin's container on NODE (it sees the
 # node's mounts under /var/lib/kubelet: the DaemonSet mounts it with Bidirectional propagation).
 in_node_plugin() {
-  local pod; pod=$(k -n "$NS" get pods -l app=pillar-node --field-selector "spec.nodeName=$NODE" \
-    -o jsonpath='{.items[0].metadata.name}')
-  k -n "$NS" exec "$pod" -c pillar -- "$@"
+  k -n "$NS" exec "$(node_plugin_pod)" -c pillar -- "$@"
 }
 
 in_agent() {

@@ -30,6 +30,29 @@ mount_warnings() {
     | "\(.reason): \(.message)"'
 }
 
+# d, second part: the node plugin restarted between stage and unstage (its pod deleted, the
+# DaemonSet starts a new one). The new plugin must re-register with kubelet, leave the mounted
+# volume alone (a pod's mount lives in kubelet's mount namespace, not the plugin's process), and
+# answer the unstage that follows (checked by the caller through the new pod's log).
+node_plugin_restart_under_kubelet() { # POD HANDLE MOUNT
+  local pod=$1 handle=$2 mount=$3 old n1 t1
+  old=$(node_plugin_pod); n1=$(lines "$pod"); t1=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  echo "restarting the node plugin: pod $old deleted"
+  k -n "$NS" delete pod "$old" --wait=true --timeout=120s >/dev/null
+  new_plugin() { local p; p=$(node_plugin_pod); [ -n "$p" ] && [ "$p" != "$old" ] &&
+    [ "$(k -n "$NS" get pod "$p" -o jsonpath='{.status.containerStatuses[?(@.name=="pillar")].ready}')" = true ]; }
+  check "d: a new node plugin pod is ready (was $old)" wait_for 180 "node plugin" new_plugin
+  check "d: the new node plugin is registered with kubelet (CSINode)" wait_for 60 "registered" csinode_registered
+  check "d: the writer pod still Running after the node plugin restart" pod_running "$pod"
+  check "d: /data still mounted from the same device, read-write ($mount)" test "$(data_mount "$pod")" = "$mount"
+  check "d: the writer kept writing across the node plugin restart" wait_for 30 "writes" grows "$pod" "$n1"
+  check "d: the writer's log has no gap and no repeat" log_sequential "$pod"
+  local warn; warn=$(mount_warnings "$pod" "$t1")
+  check "d: no volume warning on the pod since the node plugin restart${warn:+ (got: $warn)}" test -z "$warn"
+  echo "new node plugin's log for the volume so far:"
+  node_plugin_log | grep -F "$handle" | tail -n 4 | sed 's/^/  /'
+}
+
 # d) kubelet restart with a mounted volume (reconstruction).
 scenario_d_kubelet_restart() {
   echo "== scenario d: kubelet SIGKILLed and restarted under a pod writing to a pillar volume"
@@ -76,7 +99,8 @@ scenario_d_kubelet_restart() {
   check "d: no volume warning on the pod since the restart${warn:+ (got: $warn)}" test -z "$warn"
   echo "node plugin's calls for the volume since the restart:"
   node_plugin_log --since-time="$t0" | grep -F "$handle" | tail -n 8 | sed 's/^/  /'
-  # Then the normal end, driven by the restarted kubelet.
+  node_plugin_restart_under_kubelet d3-writer "$handle" "$mount_before"
+  # Then the normal end, driven by the restarted kubelet and the new node plugin.
   k delete pod d3-writer --wait=true --timeout=120s >/dev/null
   check "d: pod deleted (kubelet unpublished and unstaged)" wait_for 120 "pod gone" \
     sh -c "! $KUBECTL get pod d3-writer -o name 2>/dev/null | grep -q ."
