@@ -31,11 +31,11 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls::ServerConfig;
 use tonic::transport::CertificateDer;
 use tonic::transport::server::Connected;
 
 use crate::fixed::AuthorityFixed;
+use crate::tls::TlsSource;
 
 /// Where connections come from.
 #[derive(Debug)]
@@ -50,7 +50,7 @@ pub enum Listener {
 #[derive(Clone, Debug)]
 pub struct AcceptOptions {
     /// Mutual TLS on every connection, or plaintext.
-    pub tls: Option<Arc<ServerConfig>>,
+    pub tls: Option<TlsSource>,
     /// Connections open (or handshaking) at once.
     pub max_connections: usize,
     /// How long a TLS handshake may take.
@@ -228,7 +228,7 @@ fn refusal() -> Vec<u8> {
 /// The connections of a [`Listener`]; for `serve_with_incoming[_shutdown]`.
 pub struct Incoming {
     listener: Listener,
-    tls: Option<TlsAcceptor>,
+    tls: Option<TlsSource>,
     handshake_timeout: Duration,
     permits: Arc<Semaphore>,
     /// Refused connections kept for their clients to read why.
@@ -254,7 +254,7 @@ impl Incoming {
     pub fn new(listener: Listener, options: AcceptOptions) -> Self {
         Self {
             listener,
-            tls: options.tls.map(TlsAcceptor::from),
+            tls: options.tls,
             handshake_timeout: options.handshake_timeout,
             permits: Arc::new(Semaphore::new(options.max_connections.max(1))),
             lingering: Arc::new(Semaphore::new(MAX_LINGERING)),
@@ -284,7 +284,11 @@ impl Incoming {
 
     /// Starts serving `accepted`: at once in plaintext, after a handshake task with TLS.
     fn admit(&mut self, accepted: Accepted, permit: OwnedSemaphorePermit) -> Option<Connection> {
-        let Some(tls) = self.tls.clone() else {
+        let Some(tls) = self
+            .tls
+            .as_ref()
+            .map(|source| TlsAcceptor::from(source.current()))
+        else {
             let (io, peer_addr): (Box<dyn Io>, _) = match accepted {
                 Accepted::Unix(s) => (Box::new(AuthorityFixed::new(s)), None),
                 Accepted::Tcp(s, addr) => (Box::new(s), Some(addr)),

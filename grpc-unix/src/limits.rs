@@ -78,10 +78,7 @@ impl Limits {
     }
 
     /// The accept options these bounds ask for, with `tls`.
-    pub fn accept_options(
-        &self,
-        tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
-    ) -> crate::AcceptOptions {
+    pub fn accept_options(&self, tls: Option<crate::tls::TlsSource>) -> crate::AcceptOptions {
         crate::AcceptOptions {
             tls,
             max_connections: self.max_connections,

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use pillar_agent_api::v1::FILE_DESCRIPTOR_SET;
 use pillar_agent_api::v1::agent_server::AgentServer;
+use pillar_grpc_unix::tls::TlsSource;
 use pillar_grpc_unix::{ConnectInfo, Incoming, Limits, Listener};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Status};
@@ -96,12 +97,7 @@ pub enum ServerError {
         "no TLS material given: pass --tls-cert/--tls-key/--tls-client-ca/--authorized-client, or --insecure-plaintext"
     )]
     NoTls,
-    #[error("cannot read TLS file {path}")]
-    TlsFile {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("TLS configuration rejected")]
+    #[error("TLS material")]
     Tls(#[source] pillar_grpc_unix::tls::TlsConfigError),
     #[error("starting the engine")]
     Engine(#[from] EngineError),
@@ -232,13 +228,6 @@ fn authorize(expected: Arc<str>) -> impl Fn(Request<()>) -> Result<Request<()>, 
     }
 }
 
-fn read(path: &PathBuf) -> Result<Vec<u8>, ServerError> {
-    std::fs::read(path).map_err(|source| ServerError::TlsFile {
-        path: path.clone(),
-        source,
-    })
-}
-
 async fn serve_metrics(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<(), ServerError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -262,17 +251,15 @@ async fn serve_metrics(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<(), Se
 }
 
 /// The mTLS configuration `config` asks for, or none where plaintext is asked for explicitly.
-fn server_tls(
-    config: &ServerConfig,
-) -> Result<Option<Arc<pillar_grpc_unix::rustls::ServerConfig>>, ServerError> {
+/// The files are read again when they change (a rotated Secret): see
+/// [`pillar_grpc_unix::tls::TlsFiles`].
+fn server_tls(config: &ServerConfig) -> Result<Option<TlsSource>, ServerError> {
     match (&config.tls, config.insecure_plaintext) {
-        (Some(tls), _) => pillar_grpc_unix::tls::mtls_server_config(
-            &read(&tls.cert)?,
-            &read(&tls.key)?,
-            &read(&tls.client_ca)?,
-        )
-        .map(Some)
-        .map_err(ServerError::Tls),
+        (Some(tls), _) => {
+            pillar_grpc_unix::tls::TlsFiles::load(&tls.cert, &tls.key, &tls.client_ca)
+                .map(|files| Some(TlsSource::Files(Arc::new(files))))
+                .map_err(ServerError::Tls)
+        }
         (None, true) => {
             tracing::warn!("serving gRPC without TLS (--insecure-plaintext)");
             Ok(None)
