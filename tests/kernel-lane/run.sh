@@ -24,6 +24,7 @@
 #   KERNEL_LANE_GUEST_SCRIPT  guest script (default guest/pillar.sh); only to check the lane's
 #                         own verdict (a script that reports no scenario must fail the lane)
 #   PILLAR_LANE_ENGINE    agent engine in the guest: io_uring (default) or sync
+#   PILLAR_LANE_ATTACH_VOLUMES  volumes of the attach-path benchmark (b1_; default 50)
 # The ZFS scenario (s13) runs on the kernels setup.sh built a ZFS module for; on a kernel the
 # ZFS release does not support it is left out and the summary says so (NOT-RUN, with why).
 # Controls of the harness itself (ONCE_SCENARIOS below: a deliberately broken build must be
@@ -50,7 +51,16 @@ GUEST_SCRIPT=${KERNEL_LANE_GUEST_SCRIPT:-$LANE_DIR/guest/pillar.sh}
 PROFILE=${KERNEL_LANE_PROFILE:-dev}
 export VM_MEM=${VM_MEM:-1024}
 export VM_TIMEOUT=${VM_TIMEOUT:-1200}
-export VM_PASS_ENV="${VM_PASS_ENV:-} PILLAR_LANE_ENGINE PILLAR_LANE_RUST_LOG"
+export VM_PASS_ENV="${VM_PASS_ENV:-} PILLAR_LANE_ENGINE PILLAR_LANE_RUST_LOG PILLAR_LANE_ATTACH_VOLUMES"
+
+# Benchmarks (`b*` scenarios: the attach path) measure and print, they test nothing new, and
+# cost minutes under TCG: a run without a filter leaves them out and says so; `run.sh b1_` runs
+# one.
+BENCH_NOTE=
+if (($# == 0)); then
+  set -- --skip b1_
+  BENCH_NOTE="benchmarks not run (b1_attach_path: tests/kernel-lane/run.sh b1_)"
+fi
 
 T_START=$EPOCHREALTIME
 secs_since() { local d=$((${EPOCHREALTIME/./} - ${1/./})); printf '%d.%d' $((d / 1000000)) $(((d / 100000) % 10)); }
@@ -211,6 +221,7 @@ for k in "${KERNELS[@]}"; do
   unset COUNT RES SEC
 done
 echo "setup ${T_SETUP}, build ${T_BUILD}s, total $(secs_since "$T_START")s"
+[[ -z $BENCH_NOTE ]] || echo "$BENCH_NOTE"
 for k in "${KERNELS[@]}"; do echo "console log $k: ${LOGS[$k]}"; done
 if ((${#problems[@]} > 0)); then
   printf '  %s\n' "${problems[@]}"

@@ -98,6 +98,7 @@ impl Engine {
             .collect();
         let mut connected = false;
         if existing.is_empty() {
+            tracing::info!(%nqn, "connecting");
             match pillar_host::connect(&self.cfg.paths, opts) {
                 Ok(ctrl) => {
                     connected = true;

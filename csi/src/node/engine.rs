@@ -325,7 +325,10 @@ impl Engine {
         fs_type: FsType,
         ctx: &StageContext,
     ) -> Result<(), NodeError> {
-        // Rule N3: format_if_blank formats only a blank device.
+        // Rule N3: format_if_blank formats only a blank device. The start of each step that
+        // may block for long (probe and mkfs, mount, connect) is logged: where a stage hangs,
+        // and what each step costs (the lane's attach-path benchmark reads these lines).
+        tracing::info!(%fs_type, "formatting");
         let done = format_if_blank(&device.path, fs_type, &ctx.mkfs_options).map_err(|source| {
             NodeError::Format {
                 device: device.path.clone(),
@@ -380,6 +383,7 @@ impl Engine {
         if readonly {
             self.require_clean_log(volume, device, fs_type)?;
         }
+        tracing::info!(device = %device.path.display(), "mounting");
         pillar_host::mount(&device.path, staging, fs_type, readonly, flags).map_err(|source| {
             NodeError::Mount {
                 target: staging.to_path_buf(),

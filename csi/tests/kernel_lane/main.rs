@@ -46,9 +46,6 @@
 //! 12. lvm-thin snapshots: data written through NVMe/TCP, a snapshot cut with the host
 //!     connected, more writes; a restore holds exactly the data at the cut, a clone the data
 //!     after; deletes in the orders thin LVM allows, refusals where the rules forbid
-//! 14. (s14) DH-HMAC-CHAP (W10): without a secret or with a wrong one the node's NQN is refused, with
-//!     it the node connects and does I/O; rotation with the controller live; a revoked secret
-//!     no longer connects; without kernel support the export requiring it is refused
 //! 13. zfs on the real OpenZFS module (the kernels it supports): create, export, I/O, online
 //!     expansion, snapshot, restore, clone through NVMe/TCP; deletes in every order, refused
 //!     while a snapshot or clone depends on the zvol
@@ -56,6 +53,13 @@
 //!     operations, then every FLUSH, FUA and mark point of the log replayed onto a fresh device:
 //!     each record old or new, never torn or behind an acknowledged mark, and the restarted
 //!     agent fails closed; its control leaves out the temp file's fsync and is caught
+//! 15. DH-HMAC-CHAP (W10): without a secret or with a wrong one the node's NQN is refused, with
+//!     it the node connects and does I/O; rotation with the controller live; a revoked secret
+//!     no longer connects; without kernel support the export requiring it is refused
+//!
+//! Benchmarks (`b*`, left out of the lane's default run; `tests/kernel-lane/run.sh b1_`):
+//! 1. the attach path: CreateVolume -> ControllerPublish -> NodeStage -> NodePublish of 50
+//!    volumes, p50/p99 per phase from the node plugin's log, pillar's own share
 //!
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers), [`attach`] (NVMe/TCP attach of scenarios 12 and 13),
@@ -65,6 +69,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod attach;
+mod b1_attach_path;
 mod harness;
 mod logwrites;
 mod lvm;

@@ -79,6 +79,27 @@ pub(crate) struct Staged {
     pub(crate) device: NamespaceDevice,
 }
 
+impl Staged {
+    /// `volume` as staged at `staging` and published at `target` on `node`, with the host's
+    /// namespace device of it.
+    pub(crate) fn on(
+        node: &NodePlugin,
+        volume: &str,
+        publish_context: HashMap<String, String>,
+        staging: PathBuf,
+        target: PathBuf,
+    ) -> Self {
+        Self {
+            volume: volume.into(),
+            node_id: node.id.clone(),
+            publish_context,
+            staging,
+            target,
+            device: host_device(volume, &node.host_nqn),
+        }
+    }
+}
+
 pub(crate) struct Lab {
     pub(crate) dir: PathBuf,
     pub(crate) kmsg: Kmsg,
