@@ -514,6 +514,53 @@ async fn expand_ext4_grows_or_reports_resize2fs() {
     h.unstage(vol, &staging).await.unwrap();
 }
 
+// A restore or clone made larger than its source holds the source's filesystem: NodeStage grows
+// it to the device (no NodeExpandVolume follows a restore; found by Kubernetes' storage e2e
+// suite, "should provision correct filesystem size when restoring snapshot to larger size pvc").
+// Stand-in here: a filesystem made at SIZE, its device then grown to twice that. ext4 grows
+// online only with CAP_SYS_RESOURCE: without it the stage fails with resize2fs's words.
+// proves N6
+#[tokio::test(flavor = "multi_thread")]
+async fn stage_grows_a_filesystem_smaller_than_its_device() {
+    let total = |r: pillar_csi::csi::NodeGetVolumeStatsResponse| r.usage[0].total;
+    for fs_type in ["xfs", "ext4"] {
+        let lo = LoopDevice::new(SIZE);
+        let h = Harness::local().await;
+        let vol = format!("pvc-larger-restore-{fs_type}");
+        let (staging, _gs) = h.path("staging");
+        let stage = || h.stage(&vol, &staging, mount_cap(fs_type), local_ctx(&vol, &lo.dev));
+        stage().await.unwrap();
+        let before = total(h.stats(&vol, &staging).await.unwrap());
+        fs::write(staging.join("marker"), b"kept").unwrap();
+        h.unstage(&vol, &staging).await.unwrap();
+
+        lo.grow(2 * SIZE);
+        let result = stage().await;
+        if fs_type == "xfs" || has_cap_sys_resource() {
+            result.unwrap();
+            let after = total(h.stats(&vol, &staging).await.unwrap());
+            assert!(
+                after > before + i64_of(SIZE) * 9 / 10,
+                "{fs_type}: {before} -> {after}"
+            );
+            assert_eq!(fs::read(staging.join("marker")).unwrap(), b"kept");
+            // Staged again: nothing left to grow, the same size.
+            stage().await.unwrap();
+            assert_eq!(total(h.stats(&vol, &staging).await.unwrap()), after);
+        } else {
+            let status = result.unwrap_err();
+            assert_eq!(status.code(), Code::Internal, "{}", status.message());
+            assert!(
+                status.message().contains("resize2fs"),
+                "{}",
+                status.message()
+            );
+        }
+        h.unstage(&vol, &staging).await.unwrap();
+        assert!(mount_at(&staging).is_none(), "{fs_type}");
+    }
+}
+
 // A block volume expands without any filesystem step.
 #[tokio::test(flavor = "multi_thread")]
 async fn expand_block_reports_the_new_size() {

@@ -159,6 +159,12 @@ pub enum HostError {
         fs: FsType,
         detail: String,
     },
+    #[error("cannot read the size of the {fs} filesystem on {device:?}: {detail}")]
+    Superblock {
+        device: PathBuf,
+        fs: FsType,
+        detail: String,
+    },
     #[error("after mkfs, {device:?} holds {found:?} instead of {requested}")]
     FormatNotVisible {
         device: PathBuf,
@@ -278,6 +284,7 @@ impl HostError {
             | Self::Probe { .. }
             | Self::FormatNotVisible { .. }
             | Self::LogState { .. }
+            | Self::Superblock { .. }
             | Self::ReadonlyRemount { .. }
             | Self::ReadMountInfo { .. }
             | Self::ParseMountInfo { .. }

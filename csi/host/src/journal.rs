@@ -16,6 +16,10 @@
 //!
 //! Any answer other than clean or dirty (an unreadable device, a foreign superblock, a missing
 //! or unexpected tool) is an error, never "clean".
+//!
+//! Also read from the superblock, and for the same kind of copy: the filesystem's own size
+//! ([`filesystem_bytes`]). A restore or clone made larger than its source carries the source's
+//! filesystem, smaller than its device, until something grows it.
 
 use std::ffi::OsStr;
 use std::os::unix::fs::FileExt;
@@ -33,6 +37,15 @@ const EXT4_INCOMPAT_AT: usize = 0x60;
 /// `EXT4_FEATURE_INCOMPAT_RECOVER`: set while mounted with a journal, cleared by a clean
 /// unmount or a freeze; what `dumpe2fs -h` shows as `needs_recovery`.
 const EXT4_INCOMPAT_RECOVER: u32 = 0x0004;
+/// `s_blocks_count_lo`, `s_log_block_size` (block size = 1024 << it), `s_blocks_count_hi`
+/// (read with `EXT4_FEATURE_INCOMPAT_64BIT`).
+const EXT4_BLOCKS_LO_AT: usize = 0x04;
+const EXT4_LOG_BLOCK_SIZE_AT: usize = 0x18;
+const EXT4_BLOCKS_HI_AT: usize = 0x150;
+const EXT4_INCOMPAT_64BIT: u32 = 0x0080;
+/// The XFS superblock (sector 0, big-endian): `sb_magicnum`, `sb_blocksize`, `sb_dblocks`.
+const XFS_MAGIC: u32 = 0x5846_5342;
+const XFS_SUPERBLOCK_LEN: usize = 16;
 /// How much of `xfs_logprint -t` is read: its head/tail line comes within the first few lines.
 const LOGPRINT_KEEP: u64 = 64 * 1024;
 
@@ -47,14 +60,74 @@ pub fn log_needs_recovery(dev: &Path, fs: FsType) -> Result<bool, HostError> {
     Ok(dirty)
 }
 
-fn ext4_needs_recovery(dev: &Path) -> Result<bool, HostError> {
+/// The size of the filesystem `fs` on `dev` in bytes, as its superblock records it. Never
+/// writes to `dev`; a superblock of another kind is an error.
+pub fn filesystem_bytes(dev: &Path, fs: FsType) -> Result<u64, HostError> {
+    let size = match fs {
+        FsType::Ext4 => ext4_bytes(&read_at::<EXT4_SUPERBLOCK_LEN>(dev, EXT4_SUPERBLOCK)?),
+        FsType::Xfs => xfs_bytes(&read_at::<XFS_SUPERBLOCK_LEN>(dev, 0)?),
+    };
+    size.map_err(|detail| HostError::Superblock {
+        device: dev.to_path_buf(),
+        fs,
+        detail,
+    })
+}
+
+fn read_at<const N: usize>(dev: &Path, offset: u64) -> Result<[u8; N], HostError> {
     let (file, _) = open_block_device(dev)?;
-    let mut sb = [0u8; EXT4_SUPERBLOCK_LEN];
-    file.read_exact_at(&mut sb, EXT4_SUPERBLOCK)
+    let mut buf = [0u8; N];
+    file.read_exact_at(&mut buf, offset)
         .map_err(|source| HostError::Device {
             path: dev.to_path_buf(),
             source,
         })?;
+    Ok(buf)
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+pub(crate) fn ext4_bytes(sb: &[u8; EXT4_SUPERBLOCK_LEN]) -> Result<u64, String> {
+    let magic = u16::from_le_bytes([sb[EXT4_MAGIC_AT], sb[EXT4_MAGIC_AT + 1]]);
+    if magic != EXT4_MAGIC {
+        return Err(format!("no ext4 superblock (magic {magic:#06x})"));
+    }
+    let mut blocks = u64::from(le32(sb, EXT4_BLOCKS_LO_AT));
+    if le32(sb, EXT4_INCOMPAT_AT) & EXT4_INCOMPAT_64BIT != 0 {
+        blocks |= u64::from(le32(sb, EXT4_BLOCKS_HI_AT)) << 32;
+    }
+    let log = le32(sb, EXT4_LOG_BLOCK_SIZE_AT);
+    // ext4 blocks are 1 KiB to 64 KiB.
+    if log > 6 {
+        return Err(format!("block size 1024 << {log} out of range"));
+    }
+    blocks
+        .checked_mul(1024 << log)
+        .ok_or_else(|| format!("{blocks} blocks of {} bytes overflow", 1024 << log))
+}
+
+pub(crate) fn xfs_bytes(sb: &[u8; XFS_SUPERBLOCK_LEN]) -> Result<u64, String> {
+    let be32 = |at: usize| u32::from_be_bytes([sb[at], sb[at + 1], sb[at + 2], sb[at + 3]]);
+    if be32(0) != XFS_MAGIC {
+        return Err(format!("no XFS superblock (magic {:#010x})", be32(0)));
+    }
+    let block = be32(4);
+    // XFS blocks are 512 bytes to 64 KiB, a power of two.
+    if !(512..=65536).contains(&block) || !block.is_power_of_two() {
+        return Err(format!("block size {block} out of range"));
+    }
+    let mut dblocks = [0u8; 8];
+    dblocks.copy_from_slice(&sb[8..16]);
+    let dblocks = u64::from_be_bytes(dblocks);
+    dblocks
+        .checked_mul(u64::from(block))
+        .ok_or_else(|| format!("{dblocks} blocks of {block} bytes overflow"))
+}
+
+fn ext4_needs_recovery(dev: &Path) -> Result<bool, HostError> {
+    let sb = read_at::<EXT4_SUPERBLOCK_LEN>(dev, EXT4_SUPERBLOCK)?;
     parse_ext4_superblock(&sb).map_err(|detail| HostError::LogState {
         device: dev.to_path_buf(),
         fs: FsType::Ext4,
@@ -119,6 +192,54 @@ pub(crate) fn parse_logprint_state(stdout: &str) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The superblock of a filesystem made by the real mkfs in a file of `size` bytes, then the
+    /// file made larger (as a restore larger than its source is): the size read is mkfs's.
+    fn superblock_of<const N: usize>(mkfs: &[&str], size: u64, offset: u64) -> [u8; N] {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("fs.img");
+        let file = std::fs::File::create(&img).unwrap();
+        file.set_len(size).unwrap();
+        let out = std::process::Command::new(mkfs[0])
+            .args(&mkfs[1..])
+            .arg(&img)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        file.set_len(4 * size).unwrap();
+        let mut sb = [0u8; N];
+        std::fs::File::open(&img)
+            .unwrap()
+            .read_exact_at(&mut sb, offset)
+            .unwrap();
+        sb
+    }
+
+    // proves N6 (the size a stage compares with its device)
+    #[test]
+    fn the_filesystem_size_is_read_from_the_superblock() {
+        let mib = 1 << 20;
+        let ext4 = superblock_of::<EXT4_SUPERBLOCK_LEN>(&["mkfs.ext4", "-q", "-F"], 64 * mib, 1024);
+        assert_eq!(ext4_bytes(&ext4), Ok(64 * mib));
+        let small = superblock_of::<EXT4_SUPERBLOCK_LEN>(
+            &["mkfs.ext4", "-q", "-F", "-b", "1024", "-O", "^64bit"],
+            8 * mib,
+            1024,
+        );
+        assert_eq!(ext4_bytes(&small), Ok(8 * mib));
+        let xfs = superblock_of::<XFS_SUPERBLOCK_LEN>(&["mkfs.xfs", "-q", "-f"], 320 * mib, 0);
+        assert_eq!(xfs_bytes(&xfs), Ok(320 * mib));
+        // Each refuses the other's superblock, and nothing at all.
+        assert!(ext4_bytes(&[0; EXT4_SUPERBLOCK_LEN]).is_err());
+        assert!(xfs_bytes(&[0; XFS_SUPERBLOCK_LEN]).is_err());
+        let mut first = [0u8; XFS_SUPERBLOCK_LEN];
+        first.copy_from_slice(&ext4[..XFS_SUPERBLOCK_LEN]);
+        assert!(xfs_bytes(&first).is_err());
+    }
 
     #[test]
     fn logprint_states_are_read_strictly() {

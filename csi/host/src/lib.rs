@@ -44,7 +44,7 @@ pub use fs::{
     find_mount, format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank,
     unmount, volume_stats,
 };
-pub use journal::log_needs_recovery;
+pub use journal::{filesystem_bytes, log_needs_recovery};
 pub use mountinfo::MountEntry;
 /// The stage record's codec, for the fuzz targets only (`fuzz/`); not part of the crate's API.
 #[doc(hidden)]

@@ -6,15 +6,12 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::thread;
-use std::time::Instant;
 
-use pillar_host::POLL_INTERVAL;
 use pillar_host::mountinfo::{self, MountEntry};
 use pillar_host::{
     Formatted, FsType, Probe, StageMode, StagePhase, StageRecord, StageStore, bind_mount,
-    block_device_size, find_mount, format_if_blank, grow_filesystem, is_mountpoint,
-    log_needs_recovery, probe, unmount, volume_stats,
+    block_device_size, find_mount, format_if_blank, is_mountpoint, log_needs_recovery, probe,
+    unmount, volume_stats,
 };
 use pillar_nvmet::VolumeId;
 use pillar_state::crd::AccessMode;
@@ -67,7 +64,7 @@ fn mount_table(target: &Path) -> Result<Vec<MountEntry>, NodeError> {
     })
 }
 
-fn mounted(path: &Path) -> Result<bool, NodeError> {
+pub(super) fn mounted(path: &Path) -> Result<bool, NodeError> {
     is_mountpoint(path).map_err(|source| NodeError::CheckMount {
         path: path.to_path_buf(),
         source: Box::new(source),
@@ -99,7 +96,7 @@ fn devnum(path: &Path) -> Result<(u32, u32), NodeError> {
 }
 
 /// Whether `path` exists (without following a final symlink).
-fn exists(path: &Path) -> Result<bool, NodeError> {
+pub(super) fn exists(path: &Path) -> Result<bool, NodeError> {
     match fs::symlink_metadata(path) {
         Ok(_) => Ok(true),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
@@ -111,7 +108,7 @@ fn exists(path: &Path) -> Result<bool, NodeError> {
 }
 
 impl Engine {
-    fn read_record(&self, volume: &VolumeId) -> Result<Option<StageRecord>, NodeError> {
+    pub(super) fn read_record(&self, volume: &VolumeId) -> Result<Option<StageRecord>, NodeError> {
         // Rule C4: a corrupt record is an error, never "not staged".
         self.store
             .read(volume)
@@ -241,12 +238,16 @@ impl Engine {
                 Access::Mount { flags, .. } => flags.clone(),
                 Access::Block => Vec::new(),
             };
+            let mut existing = false;
             if read_only {
                 // N5: never written, not even by a log replay; and never formatted.
                 self.require_filesystem(&device, fs_type)?;
                 flags.push(fs_type.no_log_replay_option().to_owned());
             } else {
-                self.format(&device, fs_type, ctx)?;
+                existing = matches!(
+                    self.format(&device, fs_type, ctx)?,
+                    Formatted::AlreadyHad(_)
+                );
             }
             // A clone or restore staged next to its source carries the source's UUID.
             if let Some(option) = fs_type.duplicate_uuid_option()
@@ -257,6 +258,11 @@ impl Engine {
             record.phase = StagePhase::Formatted;
             self.write_record(&record)?;
             self.mount_staging(volume, &device, staging, fs_type, read_only, &flags)?;
+            // A restore or clone larger than its source holds the source's filesystem: grown to
+            // the volume's size here, as no NodeExpandVolume follows a restore.
+            if existing {
+                self.grow_to_device(&device, staging, fs_type)?;
+            }
         }
         // For a block volume nothing is mounted at the staging path: `Mounted` means "staged".
         record.phase = StagePhase::Mounted;
@@ -324,7 +330,7 @@ impl Engine {
         device: &Device,
         fs_type: FsType,
         ctx: &StageContext,
-    ) -> Result<(), NodeError> {
+    ) -> Result<Formatted, NodeError> {
         // Rule N3: format_if_blank formats only a blank device. The start of each step that
         // may block for long (probe and mkfs, mount, connect) is logged: where a stage hangs,
         // and what each step costs (the lane's attach-path benchmark reads these lines).
@@ -336,13 +342,13 @@ impl Engine {
                 source: Box::new(source),
             }
         })?;
-        match done {
+        match &done {
             Formatted::Formatted => tracing::info!(%fs_type, "formatted a blank device"),
             Formatted::AlreadyHad(_) => {
                 tracing::info!(%fs_type, "device already holds the filesystem")
             }
         }
-        Ok(())
+        Ok(done)
     }
 
     /// Mounts the device at the staging path, or accepts the mount already there if it is this
@@ -685,76 +691,6 @@ impl Engine {
             inodes: Some((s.inodes_total, s.inodes_free, s.inodes_used)),
             condition,
         })
-    }
-
-    /// NodeExpandVolume: returns the device's size after the expansion.
-    pub(crate) fn expand(
-        &self,
-        volume: &VolumeId,
-        volume_path: &Path,
-        required_bytes: u64,
-    ) -> Result<u64, NodeError> {
-        let rec = match self.read_record(volume)? {
-            Some(r) if r.phase == StagePhase::Mounted => r,
-            _ => {
-                return Err(NodeError::NotStagedHere {
-                    volume: volume.to_string(),
-                });
-            }
-        };
-        if !exists(volume_path)? {
-            return Err(NodeError::VolumePathMissing {
-                path: volume_path.to_path_buf(),
-            });
-        }
-        let device = self.find_device(&rec)?;
-        self.rescan(&rec.nqn)?;
-        let size = self.wait_for_size(&device.path, required_bytes)?;
-        if let StageMode::Filesystem { fs_type } = rec.mode {
-            let mount_path = if mounted(&rec.staging_path)? {
-                rec.staging_path.clone()
-            } else if mounted(volume_path)? {
-                volume_path.to_path_buf()
-            } else {
-                return Err(NodeError::NotMounted {
-                    volume: volume.to_string(),
-                    path: rec.staging_path,
-                });
-            };
-            grow_filesystem(&device.path, &mount_path, fs_type).map_err(|source| {
-                NodeError::Grow {
-                    device: device.path.clone(),
-                    source: Box::new(source),
-                }
-            })?;
-        }
-        tracing::info!(size, "expanded");
-        Ok(size)
-    }
-
-    /// The size of `device`, waiting up to the connect timeout for it to reach `wanted` bytes.
-    fn wait_for_size(&self, device: &Path, wanted: u64) -> Result<u64, NodeError> {
-        let start = Instant::now();
-        let timeout = self.cfg.connect_timeout;
-        loop {
-            let size = block_device_size(device).map_err(|source| NodeError::DeviceSize {
-                device: device.to_path_buf(),
-                source: Box::new(source),
-            })?;
-            if size >= wanted {
-                return Ok(size);
-            }
-            let waited = start.elapsed();
-            if waited >= timeout {
-                return Err(NodeError::SizeNotReached {
-                    device: device.to_path_buf(),
-                    wanted,
-                    found: size,
-                    waited,
-                });
-            }
-            thread::sleep(POLL_INTERVAL.min(timeout - waited));
-        }
     }
 }
 

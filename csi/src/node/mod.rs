@@ -17,6 +17,7 @@ mod attach;
 mod config;
 mod engine;
 mod error;
+mod expand;
 mod request;
 mod reserve;
 
