@@ -158,7 +158,8 @@ fn stage_events(log: &str) -> HashMap<String, [Option<SystemTime>; EVENTS.len()]
         let Some(at) = line.split_whitespace().next().and_then(parse_rfc3339_utc) else {
             continue;
         };
-        // "<target>: <message> key=value ...": the message is what follows the target.
+        // "}: <target>: <message> key=value ...": the message is what follows the target.
+        let message = message.trim_start_matches(": ");
         let message = message.split_once(": ").map_or(message, |(_, m)| m);
         if let Some(i) = EVENTS
             .iter()
