@@ -3,7 +3,11 @@
 //! error type.
 //!
 //! Accepted: every access mode but MULTI_NODE_MULTI_WRITER (W3: a pillar volume has one writer)
-//! and UNKNOWN; block access, or mount access with `fs_type` ext4, xfs or empty.
+//! and UNKNOWN; block access, or mount access with `fs_type` ext4, xfs or empty; but not block
+//! access with a reader-only mode (N5): nothing on a node can keep a workload that holds the
+//! device node from writing (a read-only bind does not; the block device's read-only flag
+//! does not stop NVMe passthrough writes), so a read-only raw block volume is refused when it is
+//! created, not when a pod first waits for it.
 
 use pillar_host::{FsType, StageMode};
 use pillar_state::crd::{AccessMode, VolumeMode};
@@ -23,6 +27,12 @@ pub enum CapabilityError {
     MultiWriter,
     #[error("filesystem {0:?} is not supported (pillar supports ext4 and xfs)")]
     Filesystem(String),
+    #[error(
+        "read-only raw block ({0}) is not supported: a workload holding the device node could \
+         still write to it (neither a read-only bind nor the device's read-only flag stops \
+         NVMe passthrough writes); use a filesystem volume for read-only sharing"
+    )]
+    ReadOnlyBlock(&'static str),
     #[error("block and mount capabilities cannot be mixed")]
     Mixed,
     #[error("volume capabilities are required")]
@@ -117,7 +127,14 @@ pub fn parse(cap: &VolumeCapability) -> Result<Capability, CapabilityError> {
             flags: m.mount_flags.clone(),
         },
     };
-    Ok(Capability { mode, access })
+    let parsed = Capability { mode, access };
+    if parsed.reader_only() && parsed.is_block() {
+        return Err(CapabilityError::ReadOnlyBlock(match parsed.mode {
+            AccessMode::MultiNodeReaderOnly => "MULTI_NODE_READER_ONLY",
+            _ => "SINGLE_NODE_READER_ONLY",
+        }));
+    }
+    Ok(parsed)
 }
 
 /// Checks a non-empty list of capabilities of one volume mode; the first one stands for the
@@ -179,7 +196,7 @@ mod tests {
         assert_eq!(c.volume_mode(), VolumeMode::Block);
     }
 
-    // proves W3
+    // proves W3, N5 (read-only raw block refused at the parser both sides share)
     #[test]
     fn refused_capabilities() {
         for (c, want) in [
@@ -191,6 +208,14 @@ mod tests {
             (
                 cap(Mode::SingleNodeWriter, mount("btrfs")),
                 CapabilityError::Filesystem("btrfs".into()),
+            ),
+            (
+                cap(Mode::MultiNodeReaderOnly, block()),
+                CapabilityError::ReadOnlyBlock("MULTI_NODE_READER_ONLY"),
+            ),
+            (
+                cap(Mode::SingleNodeReaderOnly, block()),
+                CapabilityError::ReadOnlyBlock("SINGLE_NODE_READER_ONLY"),
             ),
             (
                 cap(Mode::SingleNodeWriter, None),

@@ -259,13 +259,22 @@ pub fn publish(req: &csi::ControllerPublishVolumeRequest) -> Result<Publish, Con
         .volume_capability
         .as_ref()
         .ok_or_else(|| invalid("volume capability is required"))?;
+    let capability = capability::parse(cap)?;
+    // N5: the read-only flag on a block capability is read-only raw block too (see
+    // `capability`): refused here, before anything is recorded or granted.
+    if req.readonly && capability.is_block() {
+        return Err(invalid(
+            "a read-only publication of a raw block volume is not supported: a workload holding \
+             the device node could still write to it; use a filesystem volume",
+        ));
+    }
     Ok(Publish {
         volume,
         node_id: req.node_id.clone(),
         // An unparsable node ID is a node this driver never reported: NOT_FOUND, decided once
         // the volume is known to exist.
         node: NodeId::parse(&req.node_id).map_err(|e| e.to_string()),
-        capability: capability::parse(cap)?,
+        capability,
         readonly: req.readonly,
     })
 }
@@ -429,6 +438,44 @@ mod tests {
                 assert_eq!(volume_id_for_name(kept).unwrap(), id, "{kept}");
             }
         }
+    }
+
+    // proves N5: read-only raw block is refused before anything is recorded: by CreateVolume's
+    // capabilities and by ControllerPublish's read-only flag on a block capability.
+    #[test]
+    fn read_only_raw_block_is_refused_at_the_controller() {
+        use crate::csi::volume_capability::access_mode::Mode;
+        use crate::csi::volume_capability::{AccessMode as CsiMode, AccessType, BlockVolume};
+        let block = |mode: Mode| csi::VolumeCapability {
+            access_mode: Some(CsiMode { mode: mode.into() }),
+            access_type: Some(AccessType::Block(BlockVolume {})),
+        };
+        let code = |r: Result<(), ControllerError>| {
+            crate::controller::error::to_status(&r.unwrap_err()).code()
+        };
+        let create_req = |mode| csi::CreateVolumeRequest {
+            name: "pvc-rox-block".into(),
+            volume_capabilities: vec![block(mode)],
+            ..Default::default()
+        };
+        assert_eq!(
+            code(create(create_req(Mode::MultiNodeReaderOnly)).map(|_| ())),
+            tonic::Code::InvalidArgument
+        );
+        assert!(create(create_req(Mode::SingleNodeWriter)).is_ok());
+        let publish_req = |readonly| csi::ControllerPublishVolumeRequest {
+            volume_id: "pvc-1".into(),
+            node_id: "node-a/nqn.2014-08.org.nvmexpress:uuid:0a0a0a0a-0000-4000-8000-00000000000a"
+                .into(),
+            volume_capability: Some(block(Mode::SingleNodeWriter)),
+            readonly,
+            ..Default::default()
+        };
+        assert_eq!(
+            code(publish(&publish_req(true)).map(|_| ())),
+            tonic::Code::InvalidArgument
+        );
+        assert!(publish(&publish_req(false)).is_ok());
     }
 
     #[test]
