@@ -53,6 +53,10 @@ pub struct ControllerArgs {
     /// Namespace of the Lease.
     #[arg(long, env = "POD_NAMESPACE", default_value = "pillar-system")]
     pub leader_election_namespace: String,
+    /// Namespace of the Secrets holding nodes' DH-HMAC-CHAP credentials (one per node, made
+    /// and rotated by the controller; only its ServiceAccount may read them: W10).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "pillar-system")]
+    pub credentials_namespace: String,
     /// Name of the Lease.
     #[arg(long, default_value = "pillar-controller")]
     pub leader_election_lease: String,

@@ -326,6 +326,13 @@ fn pillar_needs(namespace: &str) -> Vec<Need> {
         &["leases"],
         &["get", "create", "update"],
     );
+    // Nodes' DH-HMAC-CHAP credentials (csi/state/src/kube_credentials.rs).
+    add(
+        Some(namespace),
+        "",
+        &["secrets"],
+        &["get", "create", "update"],
+    );
     out
 }
 

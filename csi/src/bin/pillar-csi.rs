@@ -98,7 +98,9 @@ async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn Stat
     } else {
         Leader::Sole
     };
-    let store = pillar_state::KubeStore::new(client).with_reporting_instance(&instance);
+    let store = pillar_state::KubeStore::new(client)
+        .with_reporting_instance(&instance)
+        .with_credentials_namespace(&args.credentials_namespace);
     Ok((Arc::new(store), leader))
 }
 

@@ -49,6 +49,10 @@
 //!   404 for an update of a missing Lease, 422 for a non-positive `leaseDurationSeconds`.
 //!   [`ApiServerDouble::lease`] reads one back.
 //!
+//! - Secrets: GET, POST and PUT of core `v1` Secrets under `/api/v1/namespaces/<ns>/secrets`,
+//!   with the server's validation of them ([`secrets`]). [`ApiServerDouble::secret`] reads one
+//!   back.
+//!
 //! - Authentication and RBAC: every request carries a bearer token the double issued, for its
 //!   administrator ([`ApiServerDouble::client`], allowed everything, as `system:masters` is) or for
 //!   a ServiceAccount ([`ApiServerDouble::client_as`]); a request without a known token is 401.
@@ -86,6 +90,7 @@ mod builtin;
 mod custom;
 pub mod rbac;
 mod schema;
+mod secrets;
 
 use rbac::{RbacPolicy, RequestAttributes, ServiceAccount};
 use schema::CrdSchemas;
@@ -169,6 +174,8 @@ struct State {
     events: Vec<Value>,
     /// `coordination.k8s.io/v1` Leases by (namespace, name).
     leases: BTreeMap<(String, String), Value>,
+    /// Core `v1` Secrets by (namespace, name).
+    secrets: BTreeMap<(String, String), Value>,
     /// Bearer token -> identity.
     tokens: BTreeMap<String, Identity>,
     /// What ServiceAccounts may do.
@@ -314,6 +321,23 @@ impl ApiServerDouble {
             .leases
             .get(&(namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// The Secret `namespace/name`, as stored (`data` base64).
+    pub fn secret(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.state()
+            .secrets
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
+    /// The decoded `data[key]` of the Secret `namespace/name`, if both are there.
+    pub fn secret_data(&self, namespace: &str, name: &str, key: &str) -> Option<Vec<u8>> {
+        let secret = self.secret(namespace, name)?;
+        let b64 = secret.get("data")?.get(key)?.clone();
+        serde_json::from_value::<k8s_openapi::ByteString>(b64)
+            .ok()
+            .map(|b| b.0)
     }
 
     /// The current global resourceVersion.
@@ -481,6 +505,9 @@ fn route(st: &mut State, method: &Method, path: &str, body: Option<Value>) -> An
     }
     if let Some(rest) = path.strip_prefix(builtin::EVENTS_PREFIX) {
         return builtin::route_event(st, rest, method, body);
+    }
+    if let Some(rest) = path.strip_prefix(secrets::SECRETS_PREFIX) {
+        return secrets::route_secret(st, rest, method, body);
     }
     match path.strip_prefix(&format!("/apis/{GROUP}/{VERSION}/")) {
         Some(rest) => custom::route(st, rest, method, body),
