@@ -320,6 +320,13 @@ fn pillar_needs(namespace: &str) -> Vec<Need> {
         &["get", "list"],
     );
     add(None, "events.k8s.io", &["events"], &["create"]);
+    // Reviews of node plugins' tokens (csi/src/credentials_delivery.rs).
+    add(
+        None,
+        "authentication.k8s.io",
+        &["tokenreviews"],
+        &["create"],
+    );
     add(
         Some(namespace),
         "coordination.k8s.io",

@@ -53,6 +53,9 @@
 //!   with the server's validation of them ([`secrets`]). [`ApiServerDouble::secret`] reads one
 //!   back.
 //!
+//! - TokenReviews of the pod-bound ServiceAccount tokens the double issues
+//!   ([`tokenreview`], [`ApiServerDouble::issue_pod_token`]).
+//!
 //! - Authentication and RBAC: every request carries a bearer token the double issued, for its
 //!   administrator ([`ApiServerDouble::client`], allowed everything, as `system:masters` is) or for
 //!   a ServiceAccount ([`ApiServerDouble::client_as`]); a request without a known token is 401.
@@ -91,6 +94,7 @@ mod custom;
 pub mod rbac;
 mod schema;
 mod secrets;
+mod tokenreview;
 
 use rbac::{RbacPolicy, RequestAttributes, ServiceAccount};
 use schema::CrdSchemas;
@@ -176,6 +180,8 @@ struct State {
     leases: BTreeMap<(String, String), Value>,
     /// Core `v1` Secrets by (namespace, name).
     secrets: BTreeMap<(String, String), Value>,
+    /// Pod-bound ServiceAccount tokens the double issued, by token.
+    pod_tokens: BTreeMap<String, tokenreview::PodToken>,
     /// Bearer token -> identity.
     tokens: BTreeMap<String, Identity>,
     /// What ServiceAccounts may do.
@@ -329,6 +335,39 @@ impl ApiServerDouble {
             .secrets
             .get(&(namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// A projected ServiceAccount token of `account` for a pod `pod` on `node`, valid for
+    /// `audiences`, as kubelet mounts one ([`tokenreview`] answers its reviews).
+    pub fn issue_pod_token(
+        &self,
+        account: &ServiceAccount,
+        pod: &str,
+        node: &str,
+        audiences: &[&str],
+    ) -> String {
+        let token = format!("pod-token-{}", uuid::Uuid::new_v4().simple());
+        self.state().pod_tokens.insert(
+            token.clone(),
+            tokenreview::PodToken {
+                account: account.clone(),
+                pod: pod.to_owned(),
+                pod_uid: uuid::Uuid::new_v4().to_string(),
+                node: node.to_owned(),
+                audiences: audiences.iter().map(|a| (*a).to_owned()).collect(),
+                revoked: false,
+            },
+        );
+        token
+    }
+
+    /// Invalidates every token bound to `pod` (the pod was deleted).
+    pub fn delete_pod(&self, pod: &str) {
+        for t in self.state().pod_tokens.values_mut() {
+            if t.pod == pod {
+                t.revoked = true;
+            }
+        }
     }
 
     /// The decoded `data[key]` of the Secret `namespace/name`, if both are there.
@@ -505,6 +544,13 @@ fn route(st: &mut State, method: &Method, path: &str, body: Option<Value>) -> An
     }
     if let Some(rest) = path.strip_prefix(builtin::EVENTS_PREFIX) {
         return builtin::route_event(st, rest, method, body);
+    }
+    if path == tokenreview::TOKENREVIEWS_PATH {
+        return if *method == Method::POST {
+            tokenreview::review(st, body)
+        } else {
+            method_not_allowed()
+        };
     }
     if let Some(rest) = path.strip_prefix(secrets::SECRETS_PREFIX) {
         return secrets::route_secret(st, rest, method, body);
