@@ -187,7 +187,73 @@ async fn an_auth_edit_reaches(kind: StoreKind) {
     let (status, reason, _) = auth_condition(&env, "stay").await.unwrap();
     assert_eq!(
         (status, reason.as_str()),
-        (ConditionStatus::True, "ProtocolAuthNone")
+        (ConditionStatus::True, "ProtocolAuthNone"),
+        "{kind:?}"
     );
-    assert_eq!(auth_warnings(&env, "stay"), 2);
+    assert_eq!(auth_warnings(&env, "stay"), 2, "{kind:?}");
+    // The gap W10 (3): the host entry keeps its keys (shared by every export of this storage
+    // node admitting the host), so the condition claims less than the target enforces.
+    assert!(
+        double
+            .host_connects_with_secret(&nqn("stay"), &host(1), port, None)
+            .is_err(),
+        "{kind:?}"
+    );
+}
+
+// proves W10 (rotation): rotating node 1's pair reaches every storage node where it holds a
+// publication: the old secret no longer connects to either of its volumes, the new one does,
+// and node 2's keys are untouched. A node holding no publication is refused (nothing holds its
+// pair). On the old code there was no controller rotation: the store's pair changed and the
+// targets kept the old keys until some later grant.
+#[tokio::test]
+async fn a_rotation_reaches_every_volume_of_the_node() {
+    for kind in STORES {
+        let mut env = Env::start(kind, true).await;
+        let double = ConfigfsDouble::create(&env.agent.configfs).unwrap();
+        for (v, n) in [("r1", 1), ("r2", 1), ("r3", 2)] {
+            env.client
+                .create_volume(create(v, Mode::SingleNodeWriter))
+                .await
+                .unwrap();
+            env.client
+                .controller_publish_volume(publish(v, n, Mode::SingleNodeWriter, false))
+                .await
+                .unwrap();
+        }
+        let old = node_secret(&env, 1).unwrap();
+        let other = node_secret(&env, 2).unwrap();
+        let rotation = env
+            .controller
+            .rotate_node_credentials("node-1")
+            .await
+            .unwrap();
+        assert_eq!(rotation.agents, vec![support::AGENT.to_owned()], "{kind:?}");
+        assert!(rotation.failed.is_empty(), "{kind:?}: {rotation:?}");
+        let new = node_secret(&env, 1).unwrap();
+        assert_ne!(new, old, "{kind:?}");
+        for v in ["r1", "r2"] {
+            let port = port_of(&env, v);
+            assert!(
+                double
+                    .host_connects_with_secret(&nqn(v), &host(1), port, Some(&old))
+                    .is_err(),
+                "{kind:?}: the old secret still connects to {v}"
+            );
+            double
+                .host_connects_with_secret(&nqn(v), &host(1), port, Some(&new))
+                .unwrap();
+        }
+        assert_eq!(node_secret(&env, 2).unwrap(), other, "{kind:?}");
+        double
+            .host_connects_with_secret(&nqn("r3"), &host(2), port_of(&env, "r3"), Some(&other))
+            .unwrap();
+        assert!(
+            env.controller
+                .rotate_node_credentials("node-9")
+                .await
+                .is_err(),
+            "{kind:?}"
+        );
+    }
 }
