@@ -21,6 +21,21 @@ pub enum Mode {
     Controller(ControllerArgs),
     /// The CSI node plugin (Identity + Node services).
     Node(NodeArgs),
+    /// Rotates a node's DH-HMAC-CHAP pair and has every storage node where it holds a
+    /// publication take the new one (W10), then exits; takes the controller's flags (store,
+    /// agent TLS), so run it where the controller runs.
+    RotateNodeCredentials(RotateArgs),
+}
+
+/// The flags of `rotate-node-credentials`.
+#[derive(Debug, clap::Args)]
+pub struct RotateArgs {
+    /// The node whose pair is replaced (its CSI node name, the Kubernetes node name).
+    #[arg(long)]
+    pub node: String,
+    /// The controller's flags.
+    #[command(flatten)]
+    pub controller: ControllerArgs,
 }
 
 /// The controller's flags.
@@ -53,6 +68,10 @@ pub struct ControllerArgs {
     /// Namespace of the Lease.
     #[arg(long, env = "POD_NAMESPACE", default_value = "pillar-system")]
     pub leader_election_namespace: String,
+    /// Namespace of the Secrets holding nodes' DH-HMAC-CHAP credentials (one per node, made
+    /// and rotated by the controller; only its ServiceAccount may read them: W10).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "pillar-system")]
+    pub credentials_namespace: String,
     /// Name of the Lease.
     #[arg(long, default_value = "pillar-controller")]
     pub leader_election_lease: String,
@@ -109,5 +128,35 @@ pub fn parse_segment(raw: &str) -> Result<(String, String), String> {
     match raw.split_once('=') {
         Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
         _ => Err(format!("{raw:?} is not KEY=VALUE")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::{Args, Mode};
+
+    // proves W10 (rotation from the command line): the subcommand takes the node and the
+    // controller's own flags.
+    #[test]
+    fn rotate_node_credentials_takes_the_node_and_the_controllers_flags() {
+        let args = Args::try_parse_from([
+            "pillar-csi",
+            "rotate-node-credentials",
+            "--node",
+            "worker-1",
+            "--credentials-namespace",
+            "pillar",
+            "--agent-insecure-plaintext",
+        ])
+        .unwrap();
+        let Mode::RotateNodeCredentials(r) = args.mode else {
+            panic!("parsed as {:?}", args.mode);
+        };
+        assert_eq!(r.node, "worker-1");
+        assert_eq!(r.controller.credentials_namespace, "pillar");
+        assert!(r.controller.agent_insecure_plaintext);
+        assert!(Args::try_parse_from(["pillar-csi", "rotate-node-credentials"]).is_err());
     }
 }

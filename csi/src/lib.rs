@@ -23,6 +23,7 @@ mod capability;
 pub mod cli;
 pub mod context;
 pub mod controller;
+pub mod credentials_delivery;
 pub mod identity;
 pub mod node;
 pub mod node_id;

@@ -320,10 +320,24 @@ fn pillar_needs(namespace: &str) -> Vec<Need> {
         &["get", "list"],
     );
     add(None, "events.k8s.io", &["events"], &["create"]);
+    // Reviews of node plugins' tokens (csi/src/credentials_delivery.rs).
+    add(
+        None,
+        "authentication.k8s.io",
+        &["tokenreviews"],
+        &["create"],
+    );
     add(
         Some(namespace),
         "coordination.k8s.io",
         &["leases"],
+        &["get", "create", "update"],
+    );
+    // Nodes' DH-HMAC-CHAP credentials (csi/state/src/kube_credentials.rs).
+    add(
+        Some(namespace),
+        "",
+        &["secrets"],
         &["get", "create", "update"],
     );
     out

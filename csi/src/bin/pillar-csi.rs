@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use pillar_csi::agents::ControllerTls;
-use pillar_csi::cli::{Args, ControllerArgs, Mode, NodeArgs};
+use pillar_csi::cli::{Args, ControllerArgs, Mode, NodeArgs, RotateArgs};
 use pillar_csi::node::{AttachMode, NodeConfig};
 use pillar_csi::root::{AgentReach, ControllerBuilder, Leader, WiredNode};
 use pillar_csi::serve::socket_path;
@@ -30,7 +30,35 @@ async fn main() -> anyhow::Result<()> {
     match Args::parse().mode {
         Mode::Controller(args) => controller(args).await,
         Mode::Node(args) => node(args).await,
+        Mode::RotateNodeCredentials(args) => rotate(args).await,
     }
+}
+
+/// One rotation of a node's pair with the controller's store and agent reach; fails when a
+/// storage node kept the old pair (it takes the new one at its next resync).
+async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
+    let (store, _) = store_and_leader(&args.controller).await?;
+    let c = args.controller;
+    let tls = c
+        .agent_client_cert
+        .zip(c.agent_client_key)
+        .map(|(cert, key)| ControllerTls { cert, key });
+    let wired = ControllerBuilder::new(store, AgentReach::network(tls, c.agent_insecure_plaintext))
+        .build()
+        .await?;
+    let rotation = wired
+        .controller()
+        .rotate_node_credentials(&args.node)
+        .await
+        .with_context(|| format!("rotating the DH-HMAC-CHAP pair of node {}", args.node))?;
+    tracing::info!(node = %args.node, agents = ?rotation.agents, "rotated: these storage nodes hold the new pair");
+    if !rotation.failed.is_empty() {
+        anyhow::bail!(
+            "rotated in the store, but these storage nodes keep the old pair until their next resync: {:?}",
+            rotation.failed
+        );
+    }
+    Ok(())
 }
 
 async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
@@ -98,7 +126,9 @@ async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn Stat
     } else {
         Leader::Sole
     };
-    let store = pillar_state::KubeStore::new(client).with_reporting_instance(&instance);
+    let store = pillar_state::KubeStore::new(client)
+        .with_reporting_instance(&instance)
+        .with_credentials_namespace(&args.credentials_namespace);
     Ok((Arc::new(store), leader))
 }
 

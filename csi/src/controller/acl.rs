@@ -1,9 +1,9 @@
-//! The target follows the PillarProtocol's `acl` (W6, W7): an operator's edit of `acl` reaches
-//! every published volume within one volume scan of the leader's resync loop, not only at the
-//! volume's next publication or its agent's next resync.
+//! The target follows the PillarProtocol's `acl` and `auth` (W6, W7, W10): an operator's edit
+//! of either reaches every published volume within one volume scan of the leader's resync loop,
+//! not only at the volume's next publication or its agent's next resync.
 //!
-//! A volume's `AclDisabled` condition says what its storage node was last confirmed to enforce
-//! (`condition::enforced_acl`); a published volume whose confirmed mode is not its protocol's
+//! A volume's `AclDisabled` and `AuthDisabled` conditions say what its storage node was last
+//! confirmed to enforce (`condition::enforced`); a published volume whose confirmed mode is not its protocol's
 //! is exported again, as `restore_exports` does: a fresh token taken only while the volume is
 //! not being deleted, the ACL read from the record after it (the recorded publications not
 //! being revoked), and the condition written once the agent confirmed. The agent cuts the live
@@ -15,21 +15,21 @@ use pillar_state::crd::PillarVolumeState;
 use pillar_state::lease::Leadership;
 
 use super::Controller;
-use super::condition::enforced_acl;
+use super::condition::{Enforced, enforced};
 use super::error::{ControllerError, agent_err, describe};
 
 impl Controller {
-    /// Exports again, with its protocol's `acl`, each published volume of `volumes` whose
+    /// Exports again, with its protocol's `acl` and `auth`, each published volume of `volumes` whose
     /// target was last confirmed in the other mode (or never). Stops once `leadership` is lost.
     pub(super) async fn converge_acls(
         &self,
         volumes: &[PillarVolumeState],
         leadership: &Leadership,
     ) {
-        let protocols: HashMap<String, bool> = match self.store.list_protocols().await {
+        let protocols: HashMap<String, Enforced> = match self.store.list_protocols().await {
             Ok(all) => all
-                .into_iter()
-                .map(|p| (p.metadata.name.unwrap_or_default(), p.spec.nvme_tcp.acl))
+                .iter()
+                .map(|p| (p.metadata.name.clone().unwrap_or_default(), Enforced::of(p)))
                 .collect(),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot list protocols; acl edits not applied this round");
@@ -38,12 +38,12 @@ impl Controller {
         };
         for v in volumes {
             let status = v.status_or_default();
-            let Some(&acl) = protocols.get(&v.spec.protocol) else {
+            let Some(&mode) = protocols.get(&v.spec.protocol) else {
                 continue;
             };
             if status.deleting
                 || status.published_nodes.is_empty()
-                || enforced_acl(&status) == Some(acl)
+                || enforced(&status) == Some(mode)
             {
                 continue;
             }
@@ -54,11 +54,11 @@ impl Controller {
             let volume = &v.spec.volume_id;
             match self.export_with_protocol_acl(v).await {
                 Ok(true) => {
-                    tracing::info!(%volume, acl, "exported again: the protocol's acl changed")
+                    tracing::info!(%volume, acl = mode.acl, auth = mode.auth, "exported again: the protocol's acl or auth changed")
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::warn!(%volume, acl, error = %describe(&e), "exporting with the protocol's acl failed; retried on the next scan")
+                    tracing::warn!(%volume, acl = mode.acl, auth = mode.auth, error = %describe(&e), "exporting with the protocol's acl and auth failed; retried on the next scan")
                 }
             }
         }

@@ -6,7 +6,10 @@
 //!   enforces for a published volume: it is written after the agent confirmed an export with
 //!   the protocol's `acl` (a publication whose target mode was not confirmed, a resync), so it
 //!   never claims an ACL the target does not hold; it is cleared in the write that removes the
-//!   last publication.
+//!   last publication. `AuthDisabled` (W10) is written with it, in the same write, from the same
+//!   confirmed export: False only once the agent set and read back the DH-HMAC-CHAP keys of
+//!   every host the export admits; True when the export required no authentication (`auth:
+//!   none`, or `acl: false`, where the kernel authenticates nobody).
 //! - An event reports a condition's transition, decided by the write that landed (one
 //!   transition, one event, whatever the retries or the replicas). Recording it is
 //!   best-effort: a failure is logged and the CSI call goes on.
@@ -14,10 +17,10 @@
 use std::time::Duration;
 
 use pillar_state::condition::{
-    ACL_DISABLED, Condition, ConditionChange, ConditionStatus, REVOKING, find_condition, now,
-    set_condition,
+    ACL_DISABLED, AUTH_DISABLED, Condition, ConditionChange, ConditionStatus, REVOKING,
+    find_condition, now, set_condition,
 };
-use pillar_state::crd::PillarVolumeStateStatus;
+use pillar_state::crd::{PillarProtocol, PillarVolumeStateStatus};
 use pillar_state::store::{EventType, VolumeEvent};
 
 use super::Controller;
@@ -30,7 +33,12 @@ pub const REASON_ACL_OFF: &str = "ProtocolAclOff";
 /// `AclDisabled` reason: the storage node confirmed an export with `acl: true`: its subsystem
 /// admits only the hosts of recorded publications.
 pub const REASON_ACL_ON: &str = "ProtocolAclOn";
-/// `AclDisabled` reason: no publication is recorded.
+/// `AuthDisabled` reason: the storage node confirmed an export with `auth: dhchap` (and an
+/// ACL): it set every admitted host's keys.
+pub const REASON_AUTH_DHCHAP: &str = "ProtocolAuthDhchap";
+/// `AuthDisabled` reason: the storage node confirmed an export with `auth: none`.
+pub const REASON_AUTH_NONE: &str = "ProtocolAuthNone";
+/// `AclDisabled` and `AuthDisabled` reason: no publication is recorded.
 pub const REASON_NOT_PUBLISHED: &str = "NotPublished";
 
 /// `Revoking` reason: a publication is marked revoking.
@@ -57,16 +65,111 @@ pub fn acl_off_message(protocol: &str) -> String {
     )
 }
 
-/// What the storage node was last confirmed to enforce for a published volume, from its
-/// `AclDisabled` condition: `Some(true)` an ACL, `Some(false)` any host, `None` not known (no
-/// publication since the condition was cleared, or never confirmed).
-pub fn enforced_acl(status: &PillarVolumeStateStatus) -> Option<bool> {
-    let c = find_condition(&status.conditions, ACL_DISABLED)?;
-    match (c.status, c.reason.as_str()) {
-        (ConditionStatus::False, REASON_ACL_ON) => Some(true),
-        (ConditionStatus::True, REASON_ACL_OFF) => Some(false),
-        _ => None,
+/// What a storage node enforces for a volume's subsystem: its admission policy (W6) and
+/// whether an admitted host must prove its node's DH-HMAC-CHAP secret (W10).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Enforced {
+    /// Only the host NQNs of recorded publications are admitted.
+    pub acl: bool,
+    /// An admitted host must authenticate (never without `acl`: the kernel authenticates nobody
+    /// on a subsystem that admits any host).
+    pub auth: bool,
+}
+
+impl Enforced {
+    /// What an export with `protocol` makes the target enforce.
+    pub fn of(protocol: &PillarProtocol) -> Self {
+        Self {
+            acl: protocol.spec.nvme_tcp.acl,
+            auth: super::agent::requires_auth(protocol),
+        }
     }
+}
+
+/// What the storage node was last confirmed to enforce for a published volume, from its
+/// `AclDisabled` and `AuthDisabled` conditions; `None` when either is not known (no publication
+/// since they were cleared, never confirmed, or a record from before `AuthDisabled`).
+pub fn enforced(status: &PillarVolumeStateStatus) -> Option<Enforced> {
+    let acl = find_condition(&status.conditions, ACL_DISABLED)?;
+    let acl = match (acl.status, acl.reason.as_str()) {
+        (ConditionStatus::False, REASON_ACL_ON) => true,
+        (ConditionStatus::True, REASON_ACL_OFF) => false,
+        _ => return None,
+    };
+    let auth = find_condition(&status.conditions, AUTH_DISABLED)?;
+    let auth = match (auth.status, auth.reason.as_str()) {
+        (ConditionStatus::False, REASON_AUTH_DHCHAP) if acl => true,
+        (ConditionStatus::True, REASON_AUTH_NONE) if acl => false,
+        (ConditionStatus::True, REASON_ACL_OFF) if !acl => false,
+        _ => return None,
+    };
+    Some(Enforced { acl, auth })
+}
+
+/// The message of `AuthDisabled` = True under `auth: none` (also the note of its event).
+pub fn auth_none_message(protocol: &str) -> String {
+    format!(
+        "exported under PillarProtocol {protocol} with auth: none: the storage node admits any \
+         host presenting a published node's host NQN, without proving a secret (docs/rules.md \
+         W10; set auth: dhchap; docs/runbook.md, \"AuthDisabled\")"
+    )
+}
+
+/// The message of `AuthDisabled` = True under `acl: false` (also the note of its event).
+pub fn auth_acl_off_message(protocol: &str) -> String {
+    format!(
+        "exported under PillarProtocol {protocol} with acl: false: the subsystem admits any \
+         host and the kernel authenticates none, whatever the protocol's auth (docs/rules.md \
+         W6, W10; set acl: true; docs/runbook.md, \"AuthDisabled\")"
+    )
+}
+
+/// Sets `AclDisabled` and `AuthDisabled` in `status` to what the storage node enforces after
+/// it confirmed an export of the volume with `mode` under `protocol` (W6, W7, W10). Keeps each
+/// transition time unless its status changes. Returns the change of each, in that order.
+pub fn set_enforced_conditions(
+    status: &mut PillarVolumeStateStatus,
+    protocol: &str,
+    mode: Enforced,
+    generation: Option<i64>,
+) -> (ConditionChange, ConditionChange) {
+    let acl = set_acl_condition(status, protocol, mode.acl, generation);
+    let auth = set_auth_condition(status, protocol, mode, generation);
+    (acl, auth)
+}
+
+/// Sets `AuthDisabled` in `status` after the storage node confirmed an export with `mode`.
+fn set_auth_condition(
+    status: &mut PillarVolumeStateStatus,
+    protocol: &str,
+    mode: Enforced,
+    generation: Option<i64>,
+) -> ConditionChange {
+    let (state, reason, message) = match (mode.acl, mode.auth) {
+        (true, true) => (
+            ConditionStatus::False,
+            REASON_AUTH_DHCHAP,
+            format!(
+                "exported under PillarProtocol {protocol} with auth: dhchap: the storage node \
+                 admits a published node's host only once it proved that node's DH-HMAC-CHAP \
+                 secret, and proves its controller secret back"
+            ),
+        ),
+        (true, false) => (
+            ConditionStatus::True,
+            REASON_AUTH_NONE,
+            auth_none_message(protocol),
+        ),
+        (false, _) => (
+            ConditionStatus::True,
+            REASON_ACL_OFF,
+            auth_acl_off_message(protocol),
+        ),
+    };
+    set_condition(
+        &mut status.conditions,
+        Condition::new(AUTH_DISABLED, state, reason, message, generation, now()),
+    )
 }
 
 /// Sets `AclDisabled` in `status` to what the storage node enforces after it confirmed an
@@ -104,21 +207,30 @@ pub fn set_acl_condition(
     set_condition(&mut status.conditions, condition)
 }
 
-/// Clears `AclDisabled` (False) once `status` records no publication; a volume that never had
-/// the condition gets none. Called in the write that removes a publication.
+/// Clears `AclDisabled` and `AuthDisabled` (False) once `status` records no publication; a
+/// volume that never had one gets none. Called in the write that removes a publication.
+/// Returns the change of `AclDisabled` (the one the callers report on).
 pub fn clear_acl_condition_if_unpublished(
     status: &mut PillarVolumeStateStatus,
     generation: Option<i64>,
 ) -> ConditionChange {
-    if !status.published_nodes.is_empty()
-        || find_condition(&status.conditions, ACL_DISABLED).is_none()
-    {
+    let acl = clear_if_unpublished(status, ACL_DISABLED, generation);
+    clear_if_unpublished(status, AUTH_DISABLED, generation);
+    acl
+}
+
+fn clear_if_unpublished(
+    status: &mut PillarVolumeStateStatus,
+    type_: &str,
+    generation: Option<i64>,
+) -> ConditionChange {
+    if !status.published_nodes.is_empty() || find_condition(&status.conditions, type_).is_none() {
         return ConditionChange::Unchanged;
     }
     set_condition(
         &mut status.conditions,
         Condition::new(
-            ACL_DISABLED,
+            type_,
             ConditionStatus::False,
             REASON_NOT_PUBLISHED,
             "no publication is recorded",
@@ -252,37 +364,57 @@ impl Controller {
         .await;
     }
 
-    /// Records in `AclDisabled` that the storage node enforces `acl` (under `protocol`) for
-    /// `volume` (lifecycle `uid`, PersistentVolume `pv`), after the agent confirmed an export with it (W6, W7). One
-    /// compare-and-swap, only when the condition changes and a publication is recorded (the
-    /// write removing the last one clears it); a transition to True records one Warning. A
-    /// failed write fails the caller, which is retried: the export is then sent again.
-    pub(super) async fn record_enforced_acl(
+    /// Records in `AclDisabled` and `AuthDisabled` what the storage node enforces (`mode`,
+    /// under `protocol`) for `volume` (lifecycle `uid`, PersistentVolume `pv`), after the agent
+    /// confirmed an export with it (W6, W7, W10). One compare-and-swap, only when a condition
+    /// changes and a publication is recorded (the write removing the last one clears them); a
+    /// transition to True records one Warning (`AuthDisabled` only under an ACL: with `acl:
+    /// false` the `AclDisabled` warning says it). A failed write fails the caller,
+    /// which is retried: the export is then sent again.
+    pub(super) async fn record_enforced(
         &self,
         volume: &str,
         uid: &str,
         pv: Option<String>,
         protocol: &str,
-        acl: bool,
+        mode: Enforced,
     ) -> Result<(), ControllerError> {
-        let (_, change) = self
+        let unchanged = (ConditionChange::Unchanged, ConditionChange::Unchanged);
+        let (_, (acl, auth)) = self
             .compare_and_swap(volume, uid, |current| {
                 let mut status = current.status_or_default();
                 if status.published_nodes.is_empty() {
-                    return Ok((Write::Nothing, ConditionChange::Unchanged));
+                    return Ok((Write::Nothing, unchanged));
                 }
-                let change =
-                    set_acl_condition(&mut status, protocol, acl, current.metadata.generation);
-                if change == ConditionChange::Unchanged {
-                    return Ok((Write::Nothing, change));
+                let changes = set_enforced_conditions(
+                    &mut status,
+                    protocol,
+                    mode,
+                    current.metadata.generation,
+                );
+                if changes == unchanged {
+                    return Ok((Write::Nothing, changes));
                 }
-                Ok((Write::Status(status), change))
+                Ok((Write::Status(status), changes))
             })
             .await?;
-        if !acl && change.is_transition() {
-            // One event per transition to True: whoever finds the condition True already
-            // records none.
-            self.warn_acl_disabled(volume, uid, pv, protocol).await;
+        // One event per transition to True: whoever finds a condition True already records
+        // none.
+        if !mode.acl && acl.is_transition() {
+            self.warn_disabled(
+                volume,
+                uid,
+                pv.clone(),
+                ACL_DISABLED,
+                acl_off_message(protocol),
+            )
+            .await;
+        }
+        // Under acl: false the AclDisabled warning says it already (any host connects): one
+        // operator decision, one warning.
+        if mode.acl && !mode.auth && auth.is_transition() {
+            self.warn_disabled(volume, uid, pv, AUTH_DISABLED, auth_none_message(protocol))
+                .await;
         }
         Ok(())
     }
@@ -319,22 +451,24 @@ impl Controller {
         .await;
     }
 
-    /// The Warning event for `AclDisabled` turning True on `volume` (lifecycle `uid`).
-    pub(super) async fn warn_acl_disabled(
+    /// The Warning event for condition `reason` (`AclDisabled` or `AuthDisabled`) turning True
+    /// on `volume` (lifecycle `uid`).
+    async fn warn_disabled(
         &self,
         volume: &str,
         uid: &str,
         pv: Option<String>,
-        protocol: &str,
+        reason: &str,
+        note: String,
     ) {
         self.record_event(VolumeEvent {
             volume: volume.to_owned(),
             uid: uid.to_owned(),
             pv,
             type_: EventType::Warning,
-            reason: ACL_DISABLED.to_owned(),
+            reason: reason.to_owned(),
             action: "Publish".to_owned(),
-            note: acl_off_message(protocol),
+            note,
         })
         .await;
     }
@@ -390,6 +524,67 @@ mod tests {
         assert!(!is_condition_true(&s.conditions, ACL_DISABLED));
         assert_eq!(s.conditions[0].reason, REASON_ACL_ON);
         assert_eq!(s.conditions.len(), 1);
+    }
+
+    fn mode(acl: bool, auth: bool) -> Enforced {
+        Enforced { acl, auth }
+    }
+
+    // proves W10 (visible auth: none): AuthDisabled follows the confirmed mode: False only with
+    // an ACL and authentication, True under auth: none (its message says any host presenting a
+    // published node's NQN is admitted) and under acl: false (the kernel authenticates none);
+    // `enforced` reads back exactly the mode that was set, and nothing from a half-written pair.
+    #[test]
+    fn auth_condition_says_what_the_target_enforces() {
+        let mut s = published();
+        assert_eq!(enforced(&s), None);
+        let (_, auth) = set_enforced_conditions(&mut s, "p", mode(true, false), Some(1));
+        assert!(auth.is_transition());
+        let c = find_condition(&s.conditions, AUTH_DISABLED).unwrap();
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (ConditionStatus::True, REASON_AUTH_NONE)
+        );
+        assert!(
+            c.message
+                .contains("any host presenting a published node's host NQN")
+        );
+        assert!(c.message.contains("W10"));
+        assert_eq!(enforced(&s), Some(mode(true, false)));
+        let (acl, auth) = set_enforced_conditions(&mut s, "p", mode(true, true), Some(1));
+        assert_eq!(
+            (acl, auth),
+            (ConditionChange::Unchanged, ConditionChange::Transitioned)
+        );
+        let c = find_condition(&s.conditions, AUTH_DISABLED).unwrap();
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (ConditionStatus::False, REASON_AUTH_DHCHAP)
+        );
+        assert_eq!(enforced(&s), Some(mode(true, true)));
+        set_enforced_conditions(&mut s, "p", mode(false, false), Some(1));
+        let c = find_condition(&s.conditions, AUTH_DISABLED).unwrap();
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            (ConditionStatus::True, REASON_ACL_OFF)
+        );
+        assert!(c.message.contains("authenticates none"));
+        assert_eq!(enforced(&s), Some(mode(false, false)));
+        // A record from before AuthDisabled (AclDisabled alone) is not known: exported again.
+        let mut old = published();
+        set_acl_condition(&mut old, "p", true, None);
+        assert_eq!(enforced(&old), None);
+        // Cleared with the last publication, both of them.
+        s.published_nodes.clear();
+        clear_acl_condition_if_unpublished(&mut s, None);
+        for t in [ACL_DISABLED, AUTH_DISABLED] {
+            let c = find_condition(&s.conditions, t).unwrap();
+            assert_eq!(
+                (c.status, c.reason.as_str()),
+                (ConditionStatus::False, REASON_NOT_PUBLISHED)
+            );
+        }
+        assert_eq!(enforced(&s), None);
     }
 
     // proves W6, W7: cleared only when the last publication is gone, and only where it was set.

@@ -8,8 +8,9 @@
 //!   `snapshot`: a snapshot's lifecycle; `topology`: which agents a request may use;
 //!   `read`: validate, list, get, capacity;
 //! - `agent`: reaching a volume's agent; `resync`: bringing a restarted agent back; `acl`:
-//!   an edit of a protocol's `acl` applied to the volumes already published;
-//! - `condition`: status conditions (`AclDisabled`) set inside the writes they describe, and
+//!   an edit of a protocol's `acl` or `auth` applied to the volumes already published;
+//!   `rotate`: a node's DH-HMAC-CHAP pair replaced and sent to its storage nodes;
+//! - `condition`: status conditions (`AclDisabled`, `AuthDisabled`, `Revoking`) set inside the writes they describe, and
 //!   best-effort Kubernetes Events on their transitions;
 //! - `error`: the error type and the code table; `service`: the tonic adapter.
 //!
@@ -42,6 +43,7 @@ mod read;
 mod record;
 mod request;
 mod resync;
+mod rotate;
 mod service;
 mod snapshot;
 mod topology;
@@ -59,6 +61,7 @@ pub use error::{ControllerError, agent_code, code_of};
 pub use publish::{Decision, decide_publication};
 pub use record::CAS_ATTEMPTS;
 pub use request::volume_id_for_name;
+pub use rotate::Rotation;
 pub use service::ControllerService;
 
 /// The request parsers each RPC applies to what a client sent, for the fuzz targets (`fuzz/`);

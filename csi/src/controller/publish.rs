@@ -19,7 +19,9 @@ use pillar_state::crd::{
 
 use super::Controller;
 use super::agent::VolumeAgent;
-use super::condition::{clear_acl_condition_if_unpublished, enforced_acl, set_revoking_condition};
+use super::condition::{
+    Enforced, clear_acl_condition_if_unpublished, enforced, set_revoking_condition,
+};
 use super::error::{ControllerError, describe};
 use super::record::{Write, token};
 use super::request::{self, VolumeRef};
@@ -233,7 +235,7 @@ impl Controller {
         // last confirmed to enforce (W6).
         let (_, (generation, enforced)) = self
             .update_status(&name, &target.uid, |_, status| {
-                let enforced = enforced_acl(status);
+                let enforced = enforced(status);
                 Ok((record(&name, &wanted, status)?, enforced))
             })
             .await?;
@@ -261,33 +263,35 @@ impl Controller {
         if !protocol.spec.nvme_tcp.acl {
             tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with acl: false: any host that reaches the port can connect, and unpublishing cannot keep a lost node out");
         } else if !super::agent::requires_auth(&protocol) {
-            tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with auth: none: a host is admitted on the NQN it presents, without proving a secret (W10)");
+            tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with auth: none: any host presenting a published node's NQN is admitted, without proving a secret (W10)");
         }
         tracing::info!(volume = %name, node = %wanted.node, mode = ?wanted.access_mode, readonly = wanted.readonly, "published");
         Ok(csi::ControllerPublishVolumeResponse { publish_context })
     }
 
     /// Has the agent admit the host of `recorded` (written with its generation). When the
-    /// storage node was last confirmed to enforce the protocol's `acl`, a grant does it (a grant
-    /// changes only the ACL, never the mode). Otherwise (the protocol's `acl` was edited, or the
-    /// mode is not known: the first publication since the last was removed) the subsystem is
-    /// exported again from the record with the protocol's `acl`, which the agent applies (an
-    /// export closing a subsystem that admitted any host cuts its live connections, W7), and
-    /// then `AclDisabled` records what it enforces (W6): the condition never claims an ACL the
-    /// target does not hold.
+    /// storage node was last confirmed to enforce the protocol's `acl` and `auth`, a grant does
+    /// it (a grant changes only the ACL and the host's keys, never the mode). Otherwise (the
+    /// protocol's `acl` or `auth` was edited, or the mode is not known: the first publication
+    /// since the last was removed) the subsystem is exported again from the record with the
+    /// protocol's settings, which the agent applies (an export closing a subsystem that
+    /// admitted any host cuts its live connections, W7; one requiring authentication sets every
+    /// admitted host's keys, W10), and then `AclDisabled` and `AuthDisabled` record what it
+    /// enforces: the conditions never claim an ACL or an authentication the target does not
+    /// hold.
     async fn admit(
         &self,
         target: &VolumeAgent,
         protocol: &PillarProtocol,
         recorded: &PublishedNode,
-        enforced: Option<bool>,
+        enforced: Option<Enforced>,
     ) -> Result<(), ControllerError> {
         let name = &target.name;
-        let acl = protocol.spec.nvme_tcp.acl;
+        let mode = Enforced::of(protocol);
         let still_admitted = |current: &PillarVolumeState| still_admitted(current, recorded);
         let token = token(&target.uid, recorded.recorded_generation);
-        if enforced == Some(acl) {
-            let credentials = if super::agent::requires_auth(protocol) {
+        if enforced == Some(mode) {
+            let credentials = if mode.auth {
                 Some(
                     super::agent::host_credentials(
                         &*self.store,
@@ -318,12 +322,12 @@ impl Controller {
             return Ok(());
         }
         if let Some(was) = enforced {
-            tracing::info!(volume = %name, was_acl = was, acl, "the protocol's acl changed: exported again");
+            tracing::info!(volume = %name, was_acl = was.acl, was_auth = was.auth, acl = mode.acl, auth = mode.auth, "the protocol's acl or auth changed: exported again");
         }
         self.export(target, protocol, token, &still_admitted)
             .await?;
         let protocol_name = protocol.metadata.name.clone().unwrap_or_default();
-        self.record_enforced_acl(name, &target.uid, target.pv.clone(), &protocol_name, acl)
+        self.record_enforced(name, &target.uid, target.pv.clone(), &protocol_name, mode)
             .await
     }
 

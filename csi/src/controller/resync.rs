@@ -18,7 +18,7 @@ use pillar_state::store::Revision;
 
 use super::Controller;
 use super::agent::{export_request, pv_of};
-use super::condition::enforced_acl;
+use super::condition::{Enforced, enforced};
 use super::error::{ControllerError, agent_err, describe};
 use super::record::not_deleting;
 
@@ -88,13 +88,14 @@ impl Seen {
     }
 }
 
-/// A volume whose `AclDisabled` follows an export being sent with the protocol's `acl`.
+/// A volume whose `AclDisabled` and `AuthDisabled` follow an export being sent with the
+/// protocol's `acl` and `auth`.
 pub(super) struct AclChange {
     volume: String,
     uid: String,
     pv: Option<String>,
     protocol: String,
-    acl: bool,
+    mode: Enforced,
 }
 
 /// How often the resync loop scans every volume (revokes pending, acl edits).
@@ -197,22 +198,23 @@ impl Controller {
         Ok(response)
     }
 
-    /// Records in `AclDisabled` the mode an export the agent confirmed gave a volume's target
-    /// (the protocol's `acl` changed since the condition was written). Best-effort: a failed
-    /// write leaves the condition saying the old mode, and the next publication exports again.
+    /// Records in `AclDisabled` and `AuthDisabled` the mode an export the agent confirmed gave a
+    /// volume's target (the protocol's `acl` or `auth` changed since the conditions were
+    /// written). Best-effort: a failed write leaves the conditions saying the old mode, and the
+    /// next publication exports again.
     pub(super) async fn record_acl_change(&self, change: AclChange) {
         let AclChange {
             volume,
             uid,
             pv,
             protocol,
-            acl,
+            mode,
         } = change;
         if let Err(e) = self
-            .record_enforced_acl(&volume, &uid, pv, &protocol, acl)
+            .record_enforced(&volume, &uid, pv, &protocol, mode)
             .await
         {
-            tracing::warn!(%volume, error = %describe(&e), "AclDisabled not updated after the export");
+            tracing::warn!(%volume, error = %describe(&e), "AclDisabled/AuthDisabled not updated after the export");
         }
     }
 
@@ -250,17 +252,19 @@ impl Controller {
         else {
             return Ok(None);
         };
-        let acl = protocol.spec.nvme_tcp.acl;
+        let mode = Enforced::of(&protocol);
         let status = current.status_or_default();
-        // W6: a published volume whose target was last confirmed in another mode gets its
-        // condition written once the agent confirmed this export.
-        let change = (!status.published_nodes.is_empty() && enforced_acl(&status) != Some(acl))
-            .then(|| AclChange {
-                volume: v.spec.volume_id.clone(),
-                uid: uid.clone(),
-                pv: pv_of(&current),
-                protocol: v.spec.protocol.clone(),
-                acl,
+        // W6, W10: a published volume whose target was last confirmed in another mode gets its
+        // conditions written once the agent confirmed this export.
+        let change =
+            (!status.published_nodes.is_empty() && enforced(&status) != Some(mode)).then(|| {
+                AclChange {
+                    volume: v.spec.volume_id.clone(),
+                    uid: uid.clone(),
+                    pv: pv_of(&current),
+                    protocol: v.spec.protocol.clone(),
+                    mode,
+                }
             });
         Ok(Some((
             export_request(&*self.store, &current, &protocol, t).await?,

@@ -9,12 +9,19 @@
 //! Condition types pillar writes:
 //! - [`ACL_DISABLED`]: the volume holds a publication under a `PillarProtocol` with `acl: false`
 //!   (W6, W7): any host that reaches the port can connect, and no unpublish keeps a node out.
+//! - [`AUTH_DISABLED`]: the volume's storage node was confirmed to export it without requiring
+//!   DH-HMAC-CHAP (W10): `auth: none`, or `acl: false` (the kernel authenticates nobody then), so
+//!   a host is admitted on the host NQN it presents.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Condition type: a publication is recorded under a protocol with `acl: false`.
 pub const ACL_DISABLED: &str = "AclDisabled";
+
+/// Condition type: a publication is recorded and its storage node admits hosts without making
+/// them prove a DH-HMAC-CHAP secret (W10).
+pub const AUTH_DISABLED: &str = "AuthDisabled";
 
 /// Condition type: an unpublish started and the storage node has not confirmed its revoke.
 pub const REVOKING: &str = "Revoking";

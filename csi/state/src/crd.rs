@@ -58,6 +58,12 @@ pub const API_VERSION: &str = "pillar-csi.io/v1alpha1";
         json_path = ".status.conditions[?(@.type==\"AclDisabled\")].status"
     ),
     printcolumn(
+        name = "AuthDisabled",
+        type_ = "string",
+        description = "published without DH-HMAC-CHAP (auth: none or acl: false): a host is admitted on its NQN",
+        json_path = ".status.conditions[?(@.type==\"AuthDisabled\")].status"
+    ),
+    printcolumn(
         name = "Revoking",
         type_ = "string",
         description = "an unpublish waits for the storage node to confirm its revoke",
@@ -182,10 +188,13 @@ pub struct PillarVolumeStateStatus {
     /// again.
     #[serde(default)]
     pub deleting: bool,
-    // W6, W7: written in the same compare-and-swap as the publication records they describe.
+    // W6, W7, W10: written in the same compare-and-swap as the publication records they
+    // describe, or after the agent confirmed what they say.
     /// Conditions in the shape of `metav1.Condition`, one per type. `AclDisabled`: a
     /// publication is recorded under a protocol with `acl: false`, so any host that reaches the
-    /// port can connect and unpublishing cannot keep a lost node out. `Revoking`: an unpublish
+    /// port can connect and unpublishing cannot keep a lost node out. `AuthDisabled`: the
+    /// storage node was confirmed to export the volume without requiring DH-HMAC-CHAP (`auth:
+    /// none`, or `acl: false`), so a host is admitted on the NQN it presents. `Revoking`: an unpublish
     /// waits for the storage node to confirm its revoke; the publication stays recorded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
@@ -441,7 +450,7 @@ pub struct NvmeTcp {
     /// `dhchap` (default): every admitted host proves its own DH-HMAC-CHAP secret, and the
     /// target proves its controller secret back; an export is refused on a storage node whose
     /// kernel has no NVMe in-band authentication. `none`: hosts are admitted on their NQN alone
-    /// (the controller logs a warning at each publication).
+    /// (shown on each published volume as `AuthDisabled=True`, with a Warning event).
     #[serde(default)]
     pub auth: ProtocolAuth,
     /// `ctrl_loss_tmo` in seconds passed at connect; default 600, the kernel's and nvme-cli's own

@@ -5,8 +5,9 @@
 //!   the target with (bidirectional authentication); made from the kernel's CSPRNG the first
 //!   time the node is admitted, and again when its host NQN changed or on rotation.
 //! - Only the controller reads them. The embedded store keeps each node's pair in its own file
-//!   under `<store>/dhchap/`, mode 0600, written atomically and durably; nothing here logs a
-//!   secret, and `Debug` redacts both.
+//!   under `<store>/dhchap/`, mode 0600, written atomically and durably; the Kubernetes store in
+//!   a Secret per node in pillar's namespace (`kube_credentials`). Nothing here logs a secret,
+//!   and `Debug` redacts both.
 
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
@@ -66,6 +67,12 @@ pub enum CredentialsError {
         node: String,
         path: PathBuf,
         source: std::io::Error,
+    },
+    #[error("the credentials of node {node} in Secret {secret} are corrupt: {reason}")]
+    CorruptSecret {
+        node: String,
+        secret: String,
+        reason: String,
     },
     #[error("cannot make a secret")]
     Generate(#[source] pillar_nvmet::AuthError),

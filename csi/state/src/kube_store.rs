@@ -18,6 +18,8 @@
 //!   object's events live in `default`, the namespace the API server accepts for them (and
 //!   kube-runtime's recorder uses); `kubectl describe` finds them there. Best-effort: the
 //!   caller logs a failure.
+//! - credentials: nodes' DH-HMAC-CHAP pairs in Secrets of pillar's namespace
+//!   (`kube_credentials`): `GET`, `POST`, `PUT` under `/api/v1/namespaces/<ns>/secrets`.
 
 use std::fmt;
 
@@ -47,6 +49,8 @@ const EVENT_FIELD_LIMIT: usize = 128;
 pub struct KubeStore {
     client: kube::Client,
     reporting_instance: String,
+    /// Where nodes' credentials Secrets live (`kube_credentials`): pillar's namespace.
+    credentials_namespace: String,
 }
 
 impl fmt::Debug for KubeStore {
@@ -54,6 +58,7 @@ impl fmt::Debug for KubeStore {
         f.debug_struct("KubeStore")
             .field("default_namespace", &self.client.default_namespace())
             .field("reporting_instance", &self.reporting_instance)
+            .field("credentials_namespace", &self.credentials_namespace)
             .finish_non_exhaustive()
     }
 }
@@ -167,12 +172,30 @@ fn is_object_not_found(status: &Status, name: &str) -> bool {
 }
 
 impl KubeStore {
-    /// A store using `client` (cluster-scoped requests; the client's namespace is not used).
+    /// A store using `client`: cluster-scoped requests for pillar's records; nodes'
+    /// credentials Secrets in the client's namespace (in a pod: its ServiceAccount's, pillar's
+    /// own) unless [`Self::with_credentials_namespace`] names another.
     pub fn new(client: kube::Client) -> Self {
+        let credentials_namespace = client.default_namespace().to_owned();
         Self {
             client,
             reporting_instance: DEFAULT_REPORTING_INSTANCE.to_owned(),
+            credentials_namespace,
         }
+    }
+
+    /// The same store, keeping nodes' credentials Secrets in `namespace`.
+    pub fn with_credentials_namespace(mut self, namespace: &str) -> Self {
+        namespace.clone_into(&mut self.credentials_namespace);
+        self
+    }
+
+    pub(crate) fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
+    pub(crate) fn credentials_namespace(&self) -> &str {
+        &self.credentials_namespace
     }
 
     /// The same store, naming `instance` (for example the pod's name) as the `reportingInstance`
@@ -423,5 +446,21 @@ impl StateStore for KubeStore {
             .await?;
         }
         Ok(())
+    }
+
+    async fn node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        self.credentials(node, host_nqn, false).await
+    }
+
+    async fn rotate_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<crate::credentials::NodeCredentials, StoreError> {
+        self.credentials(node, host_nqn, true).await
     }
 }

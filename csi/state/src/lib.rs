@@ -33,6 +33,7 @@ pub mod crd;
 pub mod credentials;
 pub mod embedded;
 pub mod embedded_error;
+pub mod kube_credentials;
 pub mod kube_store;
 pub mod lease;
 pub mod memory;

@@ -173,7 +173,8 @@ pub enum StoreError {
     /// The embedded store failed on disk.
     #[error(transparent)]
     Embedded(#[from] crate::embedded_error::EmbeddedError),
-    /// This store keeps no DH-HMAC-CHAP credentials (W10).
+    /// This store keeps no DH-HMAC-CHAP credentials (W10): a store that implements none (every
+    /// store of pillar's keeps them; a test's or an adapter's may not).
     #[error(
         "this controller's store keeps no DH-HMAC-CHAP credentials, so node {node} cannot be \
          admitted to an export that requires authentication (W10); refusing rather than \

@@ -149,6 +149,8 @@ pub struct Env {
 }
 
 pub const AGENT: &str = "storage-1";
+/// pillar's namespace, where the Kubernetes store keeps nodes' credentials Secrets.
+pub const CREDENTIALS_NAMESPACE: &str = "pillar-system";
 
 impl Env {
     pub async fn start(kind: StoreKind, acl: bool) -> Self {
@@ -172,7 +174,10 @@ impl Env {
                 let double = ApiServerDouble::start().await.unwrap();
                 (
                     Arc::new(KubeStore::new(double.client().unwrap())),
-                    Arc::new(KubeStore::new(double.controller_client().unwrap())),
+                    Arc::new(
+                        KubeStore::new(double.controller_client().unwrap())
+                            .with_credentials_namespace(CREDENTIALS_NAMESPACE),
+                    ),
                     Some(double),
                     None,
                 )
@@ -201,13 +206,9 @@ impl Env {
                 PillarProtocolSpec {
                     nvme_tcp: NvmeTcp {
                         acl,
-                        // W10: the Kubernetes store keeps no DH-HMAC-CHAP credentials yet (a
-                        // publication requiring them is refused there); the embedded store
-                        // does, so its runs have authentication on, as by default.
-                        auth: match kind {
-                            StoreKind::Embedded => ProtocolAuth::Dhchap,
-                            StoreKind::Kube => ProtocolAuth::None,
-                        },
+                        // W10: both stores keep DH-HMAC-CHAP credentials (the Kubernetes
+                        // store in Secrets), so every run has authentication on, as by default.
+                        auth: ProtocolAuth::Dhchap,
                         ..NvmeTcp::default()
                     },
                 },
@@ -365,11 +366,20 @@ pub fn create(name: &str, mode: Mode) -> csi::CreateVolumeRequest {
 }
 
 /// The DH-HMAC-CHAP secret the controller made for node `n` (W10), as kubelet would pass it:
-/// `None` on the Kubernetes store (no credentials there yet) or before the node's publication.
+/// read from the embedded store's file or the Kubernetes store's Secret; `None` before the
+/// node's first publication.
 pub fn node_secret(env: &Env, n: u32) -> Option<String> {
-    let embedded = env.embedded.as_ref()?;
     let node = node_id(n);
     let name = node.split('/').next().unwrap_or_default().to_owned();
+    if let Some(double) = &env.double {
+        let secret = double.secret_data(
+            CREDENTIALS_NAMESPACE,
+            &pillar_state::kube_credentials::secret_name(&name),
+            "dhchapSecret",
+        )?;
+        return Some(String::from_utf8(secret).unwrap());
+    }
+    let embedded = env.embedded.as_ref()?;
     let dir = embedded
         .root()
         .join(pillar_state::embedded::CREDENTIALS_DIR);

@@ -49,6 +49,13 @@
 //!   404 for an update of a missing Lease, 422 for a non-positive `leaseDurationSeconds`.
 //!   [`ApiServerDouble::lease`] reads one back.
 //!
+//! - Secrets: GET, POST and PUT of core `v1` Secrets under `/api/v1/namespaces/<ns>/secrets`,
+//!   with the server's validation of them ([`secrets`]). [`ApiServerDouble::secret`] reads one
+//!   back.
+//!
+//! - TokenReviews of the pod-bound ServiceAccount tokens the double issues
+//!   ([`tokenreview`], [`ApiServerDouble::issue_pod_token`]).
+//!
 //! - Authentication and RBAC: every request carries a bearer token the double issued, for its
 //!   administrator ([`ApiServerDouble::client`], allowed everything, as `system:masters` is) or for
 //!   a ServiceAccount ([`ApiServerDouble::client_as`]); a request without a known token is 401.
@@ -86,6 +93,8 @@ mod builtin;
 mod custom;
 pub mod rbac;
 mod schema;
+mod secrets;
+mod tokenreview;
 
 use rbac::{RbacPolicy, RequestAttributes, ServiceAccount};
 use schema::CrdSchemas;
@@ -169,6 +178,10 @@ struct State {
     events: Vec<Value>,
     /// `coordination.k8s.io/v1` Leases by (namespace, name).
     leases: BTreeMap<(String, String), Value>,
+    /// Core `v1` Secrets by (namespace, name).
+    secrets: BTreeMap<(String, String), Value>,
+    /// Pod-bound ServiceAccount tokens the double issued, by token.
+    pod_tokens: BTreeMap<String, tokenreview::PodToken>,
     /// Bearer token -> identity.
     tokens: BTreeMap<String, Identity>,
     /// What ServiceAccounts may do.
@@ -314,6 +327,56 @@ impl ApiServerDouble {
             .leases
             .get(&(namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// The Secret `namespace/name`, as stored (`data` base64).
+    pub fn secret(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.state()
+            .secrets
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
+    /// A projected ServiceAccount token of `account` for a pod `pod` on `node`, valid for
+    /// `audiences`, as kubelet mounts one ([`tokenreview`] answers its reviews).
+    pub fn issue_pod_token(
+        &self,
+        account: &ServiceAccount,
+        pod: &str,
+        node: &str,
+        audiences: &[&str],
+    ) -> String {
+        let token = format!("pod-token-{}", uuid::Uuid::new_v4().simple());
+        self.state().pod_tokens.insert(
+            token.clone(),
+            tokenreview::PodToken {
+                account: account.clone(),
+                pod: pod.to_owned(),
+                pod_uid: uuid::Uuid::new_v4().to_string(),
+                node: node.to_owned(),
+                audiences: audiences.iter().map(|a| (*a).to_owned()).collect(),
+                revoked: false,
+            },
+        );
+        token
+    }
+
+    /// Invalidates every token bound to `pod` (the pod was deleted).
+    pub fn delete_pod(&self, pod: &str) {
+        for t in self.state().pod_tokens.values_mut() {
+            if t.pod == pod {
+                t.revoked = true;
+            }
+        }
+    }
+
+    /// The decoded `data[key]` of the Secret `namespace/name`, if both are there.
+    pub fn secret_data(&self, namespace: &str, name: &str, key: &str) -> Option<Vec<u8>> {
+        let secret = self.secret(namespace, name)?;
+        let b64 = secret.get("data")?.get(key)?.clone();
+        serde_json::from_value::<k8s_openapi::ByteString>(b64)
+            .ok()
+            .map(|b| b.0)
     }
 
     /// The current global resourceVersion.
@@ -481,6 +544,16 @@ fn route(st: &mut State, method: &Method, path: &str, body: Option<Value>) -> An
     }
     if let Some(rest) = path.strip_prefix(builtin::EVENTS_PREFIX) {
         return builtin::route_event(st, rest, method, body);
+    }
+    if path == tokenreview::TOKENREVIEWS_PATH {
+        return if *method == Method::POST {
+            tokenreview::review(st, body)
+        } else {
+            method_not_allowed()
+        };
+    }
+    if let Some(rest) = path.strip_prefix(secrets::SECRETS_PREFIX) {
+        return secrets::route_secret(st, rest, method, body);
     }
     match path.strip_prefix(&format!("/apis/{GROUP}/{VERSION}/")) {
         Some(rest) => custom::route(st, rest, method, body),

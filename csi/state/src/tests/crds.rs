@@ -69,6 +69,10 @@ fn crds_are_cluster_scoped_with_safe_short_names() {
                 ".status.conditions[?(@.type==\"AclDisabled\")].status"
             ),
             (
+                "AuthDisabled",
+                ".status.conditions[?(@.type==\"AuthDisabled\")].status"
+            ),
+            (
                 "Revoking",
                 ".status.conditions[?(@.type==\"Revoking\")].status"
             ),

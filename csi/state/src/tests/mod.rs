@@ -6,6 +6,7 @@ mod crds;
 mod double;
 mod embedded;
 mod events;
+mod kube_credentials;
 mod lease;
 mod race;
 mod rbac;
