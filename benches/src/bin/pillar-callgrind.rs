@@ -303,8 +303,8 @@ async fn count_calls(places: &Places, n: usize) -> anyhow::Result<CallCounts> {
     )?;
     let driven = drive_agent(&socket, n).await;
     // SIGTERM: the agent shuts down and callgrind writes its last dump.
-    // SAFETY: kill with a PID this process spawned and has not reaped, and a valid signal.
     let pid = libc::pid_t::try_from(child.id())?;
+    // SAFETY: kill with a PID this process spawned and has not reaped, and a valid signal.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     child.wait()?;
     driven?;
@@ -461,7 +461,7 @@ fn diff(big: &Dump, small: &Dump, n: usize) -> Vec<(String, i64)> {
             (name.clone(), per)
         })
         .collect();
-    out.sort_by(|a, b| b.1.cmp(&a.1));
+    out.sort_by_key(|b| std::cmp::Reverse(b.1));
     out
 }
 
