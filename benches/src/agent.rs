@@ -138,14 +138,7 @@ impl Node {
 
     /// A client on the agent's socket.
     pub async fn client(&self) -> anyhow::Result<Client> {
-        let socket = self.root.join("agent.sock");
-        let channel = Endpoint::try_from("http://agent.invalid")?
-            .connect_with_connector(tower::service_fn(move |_: Uri| {
-                let s = socket.clone();
-                async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(s).await?)) }
-            }))
-            .await?;
-        Ok(AgentClient::new(channel))
+        connect(&self.root.join("agent.sock")).await
     }
 
     /// The engine's `io_uring_enter` calls and eventfd writes so far.
@@ -155,16 +148,7 @@ impl Node {
 
     /// Creates `volume` (1 MiB).
     pub async fn create(&self, client: &mut Client, volume: &str) -> anyhow::Result<()> {
-        client
-            .create_volume(api::CreateVolumeRequest {
-                token: token(volume, 1),
-                volume_id: volume.to_owned(),
-                pool: POOL.into(),
-                size_bytes: 1 << 20,
-                source: None,
-            })
-            .await?;
-        Ok(())
+        create(client, volume).await
     }
 
     /// Exports `volume` to `hosts` (ACL on).
@@ -174,8 +158,7 @@ impl Node {
         volume: &str,
         hosts: &[String],
     ) -> anyhow::Result<()> {
-        client.export(export_request(volume, hosts)).await?;
-        Ok(())
+        export(client, volume, hosts).await
     }
 
     /// Unexports and deletes `volume`.
@@ -251,6 +234,79 @@ impl Node {
 fn print_resync_failure(volume: &str, why: &str) {
     eprintln!("resync of {volume} failed: {why}");
 }
+
+/// A client on the agent socket `socket`.
+pub async fn connect(socket: &Path) -> anyhow::Result<Client> {
+    let socket = socket.to_path_buf();
+    let channel = Endpoint::try_from("http://agent.invalid")?
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let s = socket.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(s).await?)) }
+        }))
+        .await?;
+    Ok(AgentClient::new(channel))
+}
+
+/// Creates `volume` (1 MiB) in the benchmark pool.
+pub async fn create(client: &mut Client, volume: &str) -> anyhow::Result<()> {
+    client
+        .create_volume(api::CreateVolumeRequest {
+            token: token(volume, 1),
+            volume_id: volume.to_owned(),
+            pool: POOL.into(),
+            size_bytes: 1 << 20,
+            source: None,
+        })
+        .await?;
+    Ok(())
+}
+
+/// Exports `volume` to `hosts` (ACL on).
+pub async fn export(client: &mut Client, volume: &str, hosts: &[String]) -> anyhow::Result<()> {
+    client.export(export_request(volume, hosts)).await?;
+    Ok(())
+}
+
+/// The agent's real server (`pillar_agent::serve_with_limits`, default bounds) on the unix
+/// socket `socket` until SIGTERM: `engine`, state in `state`, the configfs double at
+/// `configfs`, a plain-file pool in `pool`.
+pub async fn serve_until_sigterm(
+    engine: EngineKind,
+    state: PathBuf,
+    socket: PathBuf,
+    configfs: PathBuf,
+    pool: PathBuf,
+) -> anyhow::Result<()> {
+    let config = ServerConfig {
+        state_dir: state,
+        listen: Listen::Unix(socket),
+        engine,
+        target: TargetConfig::Double { root: configfs },
+        pools: vec![PoolConfig {
+            name: POOL.into(),
+            kind: PoolKind::PlainFile { dir: pool },
+        }],
+        settings: AgentSettings {
+            nvme_address: "127.0.0.1".parse()?,
+            kernel_random_identity: false,
+            unsafe_revoke_acl_only: false,
+            hooks: pillar_agent::Hooks::default(),
+        },
+        tls: None,
+        insecure_plaintext: true,
+        metrics_listen: None,
+        command_timeout: Duration::from_secs(30),
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let shutdown = async move {
+        term.recv().await;
+    };
+    pillar_agent::serve_with_limits(config, pillar_grpc_unix::Limits::default(), shutdown).await?;
+    Ok(())
+}
+
+/// The pool the benchmark agents serve.
+pub const POOL_NAME: &str = POOL;
 
 /// Grants (or revokes) host 1 on `volume` with token generation `generation`.
 pub async fn grant_or_revoke(

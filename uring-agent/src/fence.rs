@@ -294,6 +294,33 @@ impl MarkStore {
     }
 
     /// Makes `mark` durable (temp, fsync, rename, fsync dir) through `engine`.
+    /// Keeps in `volumes` only those without a mark file, from one listing of the directory:
+    /// what [`read`](Self::read) answers `Ok(None)` for (the file is not found) is exactly a
+    /// volume not listed here, without reading and decoding every mark (a corrupt mark is
+    /// listed: it is a mark), and without a second set as large as the listing. Names that are
+    /// not `<volume>.json` (the engine's hidden temporary files) are skipped.
+    pub fn retain_unmarked(
+        &self,
+        volumes: &mut std::collections::BTreeSet<VolumeId>,
+    ) -> Result<(), MarkError> {
+        let dir = self.dir();
+        let unreadable = |source| MarkError::Unreadable {
+            path: dir.path().display().to_string(),
+            source,
+        };
+        for entry in std::fs::read_dir(dir.path()).map_err(unreadable)? {
+            let name = entry.map_err(unreadable)?.file_name();
+            if let Some(volume) = name
+                .to_str()
+                .and_then(|n| n.strip_suffix(".json"))
+                .and_then(|n| VolumeId::parse(n).ok())
+            {
+                volumes.remove(&volume);
+            }
+        }
+        Ok(())
+    }
+
     pub async fn write(
         &self,
         engine: &Engine,

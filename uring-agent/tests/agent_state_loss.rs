@@ -302,3 +302,26 @@ async fn a_first_start_and_a_state_without_identity_file_are_no_loss() {
         .unwrap();
     agent.stop().await;
 }
+
+// proves C6 with C4 (no false alarm): a held volume whose mark is corrupt has a mark: a start
+// lists the marks instead of reading each one, and a corrupt file there is no loss (the volume
+// fails on its own at its next call, `a_corrupt_mark_is_an_error_for_that_volume_only`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_takes_a_corrupt_mark_for_a_mark_not_a_loss() {
+    let mut agent = Agent::start(EngineKind::Sync).await;
+    agent.serve_now().await;
+    agent
+        .client
+        .create_volume(create_req("k", 1, "vol-k", 16 * MIB))
+        .await
+        .unwrap();
+    let dirs = agent.stop().await;
+    std::fs::write(dirs.state().join("generations/vol-k.json"), b"not a mark").unwrap();
+    let mut agent = Agent::start_in(dirs, EngineKind::Sync).await;
+    let h = agent.client.health(api::HealthRequest {}).await.unwrap();
+    assert_eq!(
+        h.into_inner().state(),
+        api::health_response::State::WaitingForResync
+    );
+    agent.stop().await;
+}

@@ -2,7 +2,8 @@
 //! agent end to end through gRPC, and the cost of density (the k-th export, a full resync),
 //! side by side in one run. Prints tables and writes every figure as JSON.
 //!
-//! Usage: pillar-report [--dir DIR] [--json FILE] [--sections engine,e2e,density] [--quick]
+//! Usage: pillar-report [--dir DIR] [--json FILE] [--sections engine,e2e,density,startup]
+//! [--marks N] [--quick]
 //!
 //! - engine: the fenced mark update (write temp, fsync, rename, fsync directory) at 1, 16, 64
 //!   and 256 in flight: the floor (the same four syscalls, one thread, nothing else), one
@@ -15,6 +16,11 @@
 //!   marks on DIR, configfs double on tmpfs), 1, 16 and 64 callers on as many volumes.
 //! - density: the cost of one more Export with k exports present, and a full resync of k
 //!   exports onto an empty target (a storage reboot), configfs double on tmpfs.
+//! - startup: the agent's real server started as a process of its own on a state directory with
+//!   `--marks` fencing marks (100,000) and as many volumes in its pool: the time until it
+//!   answers Health, and its resident memory then (and its peak).
+//!
+//! Instructions per fenced call, counted by callgrind, are the companion `pillar-callgrind`'s.
 
 #![allow(clippy::print_stdout)] // a benchmark reports on stdout
 
@@ -30,6 +36,8 @@ use pillar_agent::engine::{DurableDir, Engine};
 use pillar_benches::{Latencies, MARK, agent, cpu_seconds, sync_update};
 use serde_json::json;
 
+mod startup;
+
 #[derive(Parser, Debug)]
 struct Args {
     /// Directory on the disk to measure (marks and engine files go here).
@@ -39,7 +47,11 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Sections to run.
-    #[arg(long, value_delimiter = ',', default_value = "engine,e2e,density")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "engine,e2e,density,startup"
+    )]
     sections: Vec<String>,
     /// Updates per configuration at the engine level.
     #[arg(long, default_value_t = 2048)]
@@ -53,9 +65,16 @@ struct Args {
     /// Export counts at which the density section measures.
     #[arg(long, value_delimiter = ',', default_value = "10,100,1000,10000")]
     exports: Vec<usize>,
+    /// Marks (and volumes in the pool) the startup section starts an agent on.
+    #[arg(long, default_value_t = 100_000)]
+    marks: usize,
     /// Small counts for a smoke run (CI): 64 updates, exports 10 and 100.
     #[arg(long)]
     quick: bool,
+    /// Internal (the startup section's child): serve the agent with state, socket, configfs
+    /// double and pool at these four paths until SIGTERM.
+    #[arg(long, hide = true, num_args = 4)]
+    serve_agent: Option<Vec<PathBuf>>,
 }
 
 const SYNC_SYSCALLS: f64 = 6.0;
@@ -502,11 +521,25 @@ async fn density_section(
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let mut args = Args::parse();
+    if let Some(paths) = args.serve_agent.take() {
+        let [state, socket, configfs, pool]: [PathBuf; 4] = paths
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("--serve-agent takes four paths"))?;
+        return agent::serve_until_sigterm(
+            pillar_agent::EngineKind::Uring,
+            state,
+            socket,
+            configfs,
+            pool,
+        )
+        .await;
+    }
     if args.quick {
         args.updates = 64;
         args.exports = vec![10, 100];
         args.in_flight = vec![1, 16];
         args.callers = vec![1, 16];
+        args.marks = 1_000;
     }
     let base = match &args.dir {
         Some(d) => tempfile::tempdir_in(d)?,
@@ -523,7 +556,8 @@ async fn main() -> anyhow::Result<()> {
             "engine" => engine_section(&args, base.path(), &mut out).await?,
             "e2e" => e2e_section(&args, base.path(), &mut out).await?,
             "density" => density_section(&args, base.path(), &mut out).await?,
-            other => anyhow::bail!("unknown section {other:?} (engine, e2e, density)"),
+            "startup" => startup::section(args.marks, base.path(), &mut out).await?,
+            other => anyhow::bail!("unknown section {other:?} (engine, e2e, density, startup)"),
         }
     }
     if let Some(path) = &args.json {
