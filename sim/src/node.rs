@@ -18,8 +18,10 @@ use pillar_agent::Hooks;
 use pillar_agent::TargetConfig;
 use pillar_agent::grpc::AgentService;
 use pillar_agent::metrics::Metrics;
-use pillar_agent::server::build_agent;
-use pillar_agent::{EngineKind, Listen, ServerConfig, ServerError};
+use pillar_agent::server::build_agent_with_fs;
+use pillar_durable::crash::{CrashState, Model};
+use pillar_durable::record::Recorder;
+use pillar_agent::{EngineKind, Listen, ServerConfig};
 use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1::agent_server::AgentServer;
 use tokio::sync::mpsc;
@@ -39,15 +41,71 @@ pub struct SimAgent {
     pub configfs: PathBuf,
     pub pool: PathBuf,
     pub link: Arc<Link>,
+    /// The NVMe/TCP address its target listens on.
+    pub address: std::net::IpAddr,
     hooks: Hooks,
     chaos: Chaos,
     running: Option<(Arc<KillSwitch>, JoinHandle<()>)>,
     pub incarnation: u32,
+    /// The durable writes of this boot (since the last power loss or state loss).
+    recorder: Option<Recorder>,
+}
+
+/// What a power loss left of the state directory.
+#[derive(Clone, Copy, Debug)]
+pub struct PowerLoss {
+    /// Crash states the boot's operations allow.
+    pub states: usize,
+    /// Whether the state chosen lost something the directory held (un-fsynced writes).
+    pub lost_writes: bool,
+}
+
+/// The state directory as it is now, in the crash model's terms.
+fn current_state(root: &Path) -> std::io::Result<CrashState> {
+    let mut state = CrashState {
+        dirs: Default::default(),
+        files: Default::default(),
+    };
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        for entry in std::fs::read_dir(root.join(&rel))? {
+            let entry = entry?;
+            let name = rel.join(entry.file_name());
+            if entry.file_type()?.is_dir() {
+                state.dirs.insert(name.clone());
+                stack.push(name);
+            } else {
+                state.files.insert(name, std::fs::read(entry.path())?);
+            }
+        }
+    }
+    Ok(state)
+}
+
+/// Writes `state` under the empty `root`; a file's directory is made if the state lacks it
+/// (directories the agent makes outside the recorder are durable, see the module docs).
+fn rebuild(state: &CrashState, root: &Path) -> std::io::Result<()> {
+    for dir in &state.dirs {
+        std::fs::create_dir_all(root.join(dir))?;
+    }
+    for (path, bytes) in &state.files {
+        let path = root.join(path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(path, bytes)?;
+    }
+    Ok(())
 }
 
 impl SimAgent {
     /// A node named `name` with its directories under `dir`; not started.
-    pub fn new(name: &str, dir: &Path, chaos: Chaos) -> std::io::Result<Self> {
+    pub fn new(
+        name: &str,
+        dir: &Path,
+        address: std::net::IpAddr,
+        chaos: Chaos,
+    ) -> std::io::Result<Self> {
         let pool = dir.join("pool");
         std::fs::create_dir_all(&pool)?;
         let hooks = Hooks::default();
@@ -58,10 +116,12 @@ impl SimAgent {
             configfs: dir.join("configfs"),
             pool,
             link: Arc::new(Link::default()),
+            address,
             hooks,
             chaos,
             running: None,
             incarnation: 0,
+            recorder: None,
         })
     }
 
@@ -81,7 +141,7 @@ impl SimAgent {
                 },
             }],
             settings: AgentSettings {
-                nvme_address: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                nvme_address: self.address,
                 kernel_random_identity: false,
                 unsafe_revoke_acl_only: false,
                 hooks: self.hooks.clone(),
@@ -94,9 +154,18 @@ impl SimAgent {
     }
 
     /// Starts a new incarnation (it waits for the controller's resync, C3).
-    pub async fn start(&mut self) -> Result<(), ServerError> {
+    pub async fn start(&mut self) -> Result<(), crate::world::SimError> {
         let metrics = Arc::new(Metrics::new());
-        let agent = build_agent(&self.config(), &metrics).await?;
+        let recorder = match &self.recorder {
+            Some(r) => r.clone(),
+            None => {
+                std::fs::create_dir_all(&self.state)?;
+                let r = Recorder::new(&self.state)?;
+                self.recorder = Some(r.clone());
+                r
+            }
+        };
+        let agent = build_agent_with_fs(&self.config(), &metrics, Arc::new(recorder)).await?;
         let kill = Arc::new(KillSwitch::default());
         let service = ChaosAgent::new(
             AgentService::new(agent, metrics),
@@ -138,6 +207,33 @@ impl SimAgent {
         }
         if lose_state {
             let _ = std::fs::remove_dir_all(&self.state);
+            self.recorder = None;
         }
+    }
+
+    /// The node loses power: the process dies, the state directory is left as one crash state
+    /// of this boot's writes (chosen by the seed), the target's memory is gone (see the module
+    /// documentation).
+    pub async fn power_loss(&mut self) -> std::io::Result<PowerLoss> {
+        self.crash(false).await;
+        let Some(recorder) = self.recorder.take() else {
+            return Ok(PowerLoss {
+                states: 0,
+                lost_writes: false,
+            });
+        };
+        let recording = recorder.recording();
+        let states = recording.states_after(recording.ops.len(), Model::SECTOR);
+        let pick = usize::try_from(self.chaos.below(states.len() as u64)).unwrap_or(0);
+        let now = current_state(&self.state)?;
+        let chosen = states.iter().nth(pick).cloned().unwrap_or_else(|| now.clone());
+        std::fs::remove_dir_all(&self.state)?;
+        std::fs::create_dir_all(&self.state)?;
+        rebuild(&chosen, &self.state)?;
+        let _ = std::fs::remove_dir_all(&self.configfs);
+        Ok(PowerLoss {
+            states: states.len(),
+            lost_writes: chosen.files != now.files,
+        })
     }
 }
