@@ -21,6 +21,8 @@ use pillar_agent::metrics::Metrics;
 use pillar_agent::server::build_agent_with_fs;
 use pillar_durable::crash::{CrashState, Model};
 use pillar_durable::record::Recorder;
+use pillar_durable::{DurableFile, DurableFs};
+use std::sync::atomic::{AtomicI64, Ordering};
 use pillar_agent::{EngineKind, Listen, ServerConfig};
 use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1::agent_server::AgentServer;
@@ -48,7 +50,98 @@ pub struct SimAgent {
     running: Option<(Arc<KillSwitch>, JoinHandle<()>)>,
     pub incarnation: u32,
     /// The durable writes of this boot (since the last power loss or state loss).
-    recorder: Option<Recorder>,
+    recorder: Option<PowerSwitch>,
+}
+
+/// The agent's durable file operations: the boot's recorder, behind a switch that cuts the
+/// power after a set number of further operations (every later one fails with EIO, as a
+/// write to a disk without power does), so a loss can land in the middle of a durable write.
+#[derive(Clone, Debug)]
+struct PowerSwitch {
+    inner: Recorder,
+    /// Operations left before the cut; negative: not armed.
+    left: Arc<AtomicI64>,
+}
+
+fn cut() -> std::io::Error {
+    std::io::Error::other("the power is off")
+}
+
+impl PowerSwitch {
+    fn step(&self) -> std::io::Result<()> {
+        if self.left.load(Ordering::Relaxed) < 0 {
+            return Ok(());
+        }
+        if self.left.fetch_sub(1, Ordering::Relaxed) <= 0 {
+            self.left.store(0, Ordering::Relaxed);
+            return Err(cut());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct SwitchedFile {
+    inner: Box<dyn DurableFile>,
+    switch: PowerSwitch,
+}
+
+impl std::io::Write for SwitchedFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.switch.step()?;
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl DurableFile for SwitchedFile {
+    fn sync_all(&mut self) -> std::io::Result<()> {
+        self.switch.step()?;
+        self.inner.sync_all()
+    }
+}
+
+impl DurableFs for PowerSwitch {
+    fn create_new(&self, path: &Path, mode: u32) -> std::io::Result<Box<dyn DurableFile>> {
+        self.step()?;
+        let inner = self.inner.create_new(path, mode)?;
+        Ok(Box::new(SwitchedFile {
+            inner,
+            switch: self.clone(),
+        }))
+    }
+
+    fn create(&self, path: &Path) -> std::io::Result<Box<dyn DurableFile>> {
+        self.step()?;
+        let inner = self.inner.create(path)?;
+        Ok(Box::new(SwitchedFile {
+            inner,
+            switch: self.clone(),
+        }))
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.rename(from, to)
+    }
+
+    fn remove_file(&self, path: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.remove_file(path)
+    }
+
+    fn create_dir_all(&self, path: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.create_dir_all(path)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.sync_dir(dir)
+    }
 }
 
 /// What a power loss left of the state directory.
@@ -160,7 +253,10 @@ impl SimAgent {
             Some(r) => r.clone(),
             None => {
                 std::fs::create_dir_all(&self.state)?;
-                let r = Recorder::new(&self.state)?;
+                let r = PowerSwitch {
+                    inner: Recorder::new(&self.state)?,
+                    left: Arc::new(AtomicI64::new(-1)),
+                };
                 self.recorder = Some(r.clone());
                 r
             }
@@ -211,18 +307,24 @@ impl SimAgent {
         }
     }
 
-    /// The node loses power: the process dies, the state directory is left as one crash state
-    /// of this boot's writes (chosen by the seed), the target's memory is gone (see the module
-    /// documentation).
-    pub async fn power_loss(&mut self) -> std::io::Result<PowerLoss> {
+    /// The node loses power after `after` more durable file operations of work already under
+    /// way (none left: at once): the process dies, the state directory is left as one crash
+    /// state of this boot's writes (chosen by the seed), the target's memory is gone (see the
+    /// module documentation).
+    pub async fn power_loss(&mut self, after: i64) -> std::io::Result<PowerLoss> {
+        if let Some(switch) = &self.recorder {
+            switch.left.store(after, Ordering::Relaxed);
+        }
+        // The node runs on for a moment: work under way, or arriving, runs into the cut.
+        tokio::time::sleep(self.chaos.pause(50)).await;
         self.crash(false).await;
-        let Some(recorder) = self.recorder.take() else {
+        let Some(switch) = self.recorder.take() else {
             return Ok(PowerLoss {
                 states: 0,
                 lost_writes: false,
             });
         };
-        let recording = recorder.recording();
+        let recording = switch.inner.recording();
         let states = recording.states_after(recording.ops.len(), Model::SECTOR);
         let pick = usize::try_from(self.chaos.below(states.len() as u64)).unwrap_or(0);
         let now = current_state(&self.state)?;

@@ -49,8 +49,8 @@ const CRASH: u64 = RESYNC + 3;
 const EXPAND: u64 = CRASH + 6;
 const NODE_STAGE: u64 = EXPAND + 14;
 const NODE_PUBLISH: u64 = NODE_STAGE + 6;
-const NODE_UNPUBLISH: u64 = NODE_PUBLISH + 4;
-const NODE_UNSTAGE: u64 = NODE_UNPUBLISH + 6;
+const NODE_UNPUBLISH: u64 = NODE_PUBLISH + 5;
+const NODE_UNSTAGE: u64 = NODE_UNPUBLISH + 8;
 
 fn pick(w: &World) -> Pick {
     let c = &w.chaos;
@@ -226,22 +226,25 @@ fn publish(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
     };
     let publications = Arc::clone(&w.publications);
     let key = (p.id.clone(), node_id.clone());
+    // Half the time the kubelet stages right away, as it does once the attach is done.
+    let stage = (w.chaos.below(2) == 0).then(|| kubelet_stage(w, &p.id, &node_id));
     (
         format!("Publish {} to {node_id} ({mode:?}, readonly {readonly})", p.name),
         Box::pin(async move {
             let answer = replica.publish(req).await.map_err(|e| status(&e))?;
+            let publication = Publication {
+                context: answer.publish_context,
+                capability: cap,
+                readonly,
+            };
             publications
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .insert(
-                    key,
-                    Publication {
-                        context: answer.publish_context,
-                        capability: cap,
-                        readonly,
-                    },
-                );
-            Ok(())
+                .insert(key, publication.clone());
+            match stage.flatten() {
+                Some(stage) => stage(publication).await,
+                None => Ok(()),
+            }
         }),
     )
 }
@@ -317,6 +320,35 @@ fn host_index(w: &World, node_id: &str) -> Option<usize> {
         .position(|(n, v)| node_id == format!("node-{n}/{}", host(n, v)))
 }
 
+/// A kubelet's NodeStage of volume `id` on the host `node_id` names, made once the publication
+/// is known.
+fn kubelet_stage(w: &World, id: &str, node_id: &str) -> Option<impl FnOnce(Publication) -> Op + Send + 'static> {
+    let host: SharedHost = Arc::clone(&w.hosts[host_index(w, node_id)?]);
+    let store = Arc::clone(&w.store);
+    let fabric = w.fabric.clone();
+    let id = id.to_owned();
+    let (node, host_nqn) = node_id
+        .split_once('/')
+        .map(|(n, h)| (n.to_owned(), h.to_owned()))?;
+    Some(move |publication: Publication| -> Op {
+        Box::pin(async move {
+            // The CO passes the node's secret (W10) as the node-stage secrets.
+            let c = store
+                .node_credentials(&node, &host_nqn)
+                .await
+                .map_err(|e| e.to_string())?;
+            let secrets = HashMap::from([
+                (context::SECRET_DHCHAP.to_owned(), c.secret),
+                (context::SECRET_DHCHAP_CTRL.to_owned(), c.ctrl_secret),
+            ]);
+            fabric
+                .stage(&host, &id, &publication, &secrets)
+                .await
+                .map_err(|e| format!("published; NodeStage: {e}"))
+        })
+    })
+}
+
 /// A kubelet's call: a stage or publish of a publication ControllerPublish answered (one drawn
 /// among them), an unpublish or unstage of a volume a host (drawn) holds staged.
 fn kubelet(w: &World, p: &Pick) -> Draw {
@@ -348,23 +380,10 @@ fn kubelet(w: &World, p: &Pick) -> Draw {
                     Box::pin(async move { fabric.publish(&host, &id, &target, &publication) }),
                 );
             }
-            let store = Arc::clone(&w.store);
-            let (node, host_nqn) = node_id.split_once('/').map(|(n, h)| (n.to_owned(), h.to_owned())).unwrap_or_default();
-            Draw::Task(
-                format!("NodeStage {at}"),
-                Box::pin(async move {
-                    // The CO passes the node's secret (W10) as the node-stage secrets.
-                    let c = store
-                        .node_credentials(&node, &host_nqn)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let secrets = HashMap::from([
-                        (context::SECRET_DHCHAP.to_owned(), c.secret),
-                        (context::SECRET_DHCHAP_CTRL.to_owned(), c.ctrl_secret),
-                    ]);
-                    fabric.stage(&host, &id, &publication, &secrets).await
-                }),
-            )
+            let Some(stage) = kubelet_stage(w, &id, &node_id) else {
+                return Draw::Skip(format!("kubelet: no host {node_id}"));
+            };
+            Draw::Task(format!("NodeStage {at}"), stage(publication))
         }
         _ => {
             let index = usize::try_from((p.node - 1) * 2 + p.variant).unwrap_or(0);

@@ -274,7 +274,7 @@ impl World {
         }
         let agent = &mut self.agents[which];
         if chaos.strikes(Fault::PowerLoss, chaos.knobs.power_loss, "power loss") {
-            let loss = agent.power_loss().await?;
+            let loss = agent.power_loss(i64::try_from(chaos.below(6)).unwrap_or(0)).await?;
             self.fabric.reservations.forget(&agent.name);
             if loss.lost_writes {
                 chaos.count(Fault::PowerLossLostWrites, "un-fsynced writes lost");
