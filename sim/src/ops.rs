@@ -210,9 +210,9 @@ fn create_volume(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) 
 fn publish(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
     use csi::volume_capability::access_mode::Mode;
     let (mode, readonly) = match w.chaos.below(10) {
-        0..6 => (Mode::SingleNodeWriter, false),
-        6..8 => (Mode::MultiNodeReaderOnly, false),
-        8 => (Mode::SingleNodeWriter, true),
+        0..5 => (Mode::SingleNodeWriter, false),
+        5..7 => (Mode::MultiNodeReaderOnly, false),
+        7 => (Mode::SingleNodeWriter, true),
         _ => (Mode::MultiNodeSingleWriter, true),
     };
     let node_id = format!("node-{}/{}", p.node, host(p.node, p.variant));
@@ -226,8 +226,8 @@ fn publish(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
     };
     let publications = Arc::clone(&w.publications);
     let key = (p.id.clone(), node_id.clone());
-    // Half the time the kubelet stages right away, as it does once the attach is done.
-    let stage = (w.chaos.below(2) == 0).then(|| kubelet_stage(w, &p.id, &node_id));
+    // Three times in four the kubelet stages right away, as it does once the attach is done.
+    let stage = (w.chaos.below(4) != 0).then(|| kubelet_stage(w, &p.id, &node_id));
     (
         format!("Publish {} to {node_id} ({mode:?}, readonly {readonly})", p.name),
         Box::pin(async move {
