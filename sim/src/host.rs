@@ -56,7 +56,9 @@ impl Reservations {
 
     /// The holder's key of `nqn` at `agent`.
     pub fn holder(&self, agent: &str, nqn: &str) -> Option<u64> {
-        self.lock().get(&(agent.to_owned(), nqn.to_owned())).copied()
+        self.lock()
+            .get(&(agent.to_owned(), nqn.to_owned()))
+            .copied()
     }
 
     /// The target of `agent` lost its memory.
@@ -219,7 +221,11 @@ impl Fabric {
             if staged.read_only != read_only {
                 return Err(format!(
                     "AlreadyExists: {volume_id} is staged {}",
-                    if staged.read_only { "read-only" } else { "read-write" }
+                    if staged.read_only {
+                        "read-only"
+                    } else {
+                        "read-write"
+                    }
                 ));
             }
             // Staged already; the kernel's host reconnects on its own after a target restart
@@ -259,7 +265,9 @@ impl Fabric {
         if reserve {
             // W9: Write Exclusive, preempting a stale holder.
             let key = pillar_host::resv::key_for_host(&host_id);
-            self.reservations.lock().insert((agent.clone(), nqn.clone()), key);
+            self.reservations
+                .lock()
+                .insert((agent.clone(), nqn.clone()), key);
         }
         record.phase = StagePhase::Mounted;
         let mut h = lock_host(host);
@@ -305,7 +313,12 @@ impl Fabric {
     }
 
     /// NodeUnpublishVolume of `target`.
-    pub fn unpublish(&self, host: &SharedHost, volume_id: &str, target: &str) -> Result<(), String> {
+    pub fn unpublish(
+        &self,
+        host: &SharedHost,
+        volume_id: &str,
+        target: &str,
+    ) -> Result<(), String> {
         let _busy = take(host, volume_id)?;
         if let Some(staged) = lock_host(host).mounts.get_mut(volume_id) {
             staged.published.remove(target);
@@ -321,7 +334,9 @@ impl Fabric {
         let record = h.records.read(&volume).map_err(err)?;
         let staged = h.mounts.get(volume_id).cloned();
         if staged.as_ref().is_some_and(|s| !s.published.is_empty()) {
-            return Err(format!("FailedPrecondition: {volume_id} is still published"));
+            return Err(format!(
+                "FailedPrecondition: {volume_id} is still published"
+            ));
         }
         let Some(record) = record else {
             return Ok(());

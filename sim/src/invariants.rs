@@ -113,7 +113,11 @@ pub struct View<'a> {
 
 /// Whether a publication gives read access only (the checker's own reading of N5).
 fn read_only(p: &PublishedNode) -> bool {
-    p.readonly || matches!(p.access_mode, AccessMode::MultiNodeReaderOnly | AccessMode::SingleNodeReaderOnly)
+    p.readonly
+        || matches!(
+            p.access_mode,
+            AccessMode::MultiNodeReaderOnly | AccessMode::SingleNodeReaderOnly
+        )
 }
 
 impl Checker {

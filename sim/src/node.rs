@@ -19,13 +19,13 @@ use pillar_agent::TargetConfig;
 use pillar_agent::grpc::AgentService;
 use pillar_agent::metrics::Metrics;
 use pillar_agent::server::build_agent_with_fs;
+use pillar_agent::{EngineKind, Listen, ServerConfig};
+use pillar_agent::{PoolConfig, PoolKind};
+use pillar_agent_api::v1::agent_server::AgentServer;
 use pillar_durable::crash::{CrashState, Model};
 use pillar_durable::record::Recorder;
 use pillar_durable::{DurableFile, DurableFs};
 use std::sync::atomic::{AtomicI64, Ordering};
-use pillar_agent::{EngineKind, Listen, ServerConfig};
-use pillar_agent::{PoolConfig, PoolKind};
-use pillar_agent_api::v1::agent_server::AgentServer;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -328,7 +328,11 @@ impl SimAgent {
         let states = recording.states_after(recording.ops.len(), Model::SECTOR);
         let pick = usize::try_from(self.chaos.below(states.len() as u64)).unwrap_or(0);
         let now = current_state(&self.state)?;
-        let chosen = states.iter().nth(pick).cloned().unwrap_or_else(|| now.clone());
+        let chosen = states
+            .iter()
+            .nth(pick)
+            .cloned()
+            .unwrap_or_else(|| now.clone());
         std::fs::remove_dir_all(&self.state)?;
         std::fs::create_dir_all(&self.state)?;
         rebuild(&chosen, &self.state)?;

@@ -103,7 +103,13 @@ pub(crate) fn draw(w: &World, _step: usize) -> Draw {
             };
             task(
                 format!("CreateSnapshot {} of {}", p.snapshot, p.name),
-                Box::pin(async move { replica.create_snapshot(req).await.map(drop).map_err(|e| status(&e)) }),
+                Box::pin(async move {
+                    replica
+                        .create_snapshot(req)
+                        .await
+                        .map(drop)
+                        .map_err(|e| status(&e))
+                }),
             )
         }
         SNAPSHOT..PUBLISH => {
@@ -121,7 +127,13 @@ pub(crate) fn draw(w: &World, _step: usize) -> Draw {
             };
             task(
                 format!("DeleteVolume {}", p.name),
-                Box::pin(async move { replica.delete_volume(req).await.map(drop).map_err(|e| status(&e)) }),
+                Box::pin(async move {
+                    replica
+                        .delete_volume(req)
+                        .await
+                        .map(drop)
+                        .map_err(|e| status(&e))
+                }),
             )
         }
         DELETE..DELETE_SNAPSHOT => {
@@ -131,7 +143,13 @@ pub(crate) fn draw(w: &World, _step: usize) -> Draw {
             };
             task(
                 format!("DeleteSnapshot {}", p.snapshot),
-                Box::pin(async move { replica.delete_snapshot(req).await.map(drop).map_err(|e| status(&e)) }),
+                Box::pin(async move {
+                    replica
+                        .delete_snapshot(req)
+                        .await
+                        .map(drop)
+                        .map_err(|e| status(&e))
+                }),
             )
         }
         DELETE_SNAPSHOT..RESYNC => task(
@@ -151,9 +169,7 @@ pub(crate) fn draw(w: &World, _step: usize) -> Draw {
 }
 
 /// The capability every volume is created with and published with, in `mode`.
-pub fn capability(
-    mode: csi::volume_capability::access_mode::Mode,
-) -> csi::VolumeCapability {
+pub fn capability(mode: csi::volume_capability::access_mode::Mode) -> csi::VolumeCapability {
     use csi::volume_capability::{AccessMode, AccessType, MountVolume};
     csi::VolumeCapability {
         access_mode: Some(AccessMode { mode: mode.into() }),
@@ -201,7 +217,13 @@ fn create_volume(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) 
     };
     (
         label,
-        Box::pin(async move { replica.create_volume(req).await.map(drop).map_err(|e| status(&e)) }),
+        Box::pin(async move {
+            replica
+                .create_volume(req)
+                .await
+                .map(drop)
+                .map_err(|e| status(&e))
+        }),
     )
 }
 
@@ -229,7 +251,10 @@ fn publish(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
     // Three times in four the kubelet stages right away, as it does once the attach is done.
     let stage = (w.chaos.below(4) != 0).then(|| kubelet_stage(w, &p.id, &node_id));
     (
-        format!("Publish {} to {node_id} ({mode:?}, readonly {readonly})", p.name),
+        format!(
+            "Publish {} to {node_id} ({mode:?}, readonly {readonly})",
+            p.name
+        ),
         Box::pin(async move {
             let answer = replica.publish(req).await.map_err(|e| status(&e))?;
             let publication = Publication {
@@ -322,7 +347,11 @@ fn host_index(w: &World, node_id: &str) -> Option<usize> {
 
 /// A kubelet's NodeStage of volume `id` on the host `node_id` names, made once the publication
 /// is known.
-fn kubelet_stage(w: &World, id: &str, node_id: &str) -> Option<impl FnOnce(Publication) -> Op + Send + 'static> {
+fn kubelet_stage(
+    w: &World,
+    id: &str,
+    node_id: &str,
+) -> Option<impl FnOnce(Publication) -> Op + Send + 'static> {
     let host: SharedHost = Arc::clone(&w.hosts[host_index(w, node_id)?]);
     let store = Arc::clone(&w.store);
     let fabric = w.fabric.clone();
@@ -354,9 +383,18 @@ fn kubelet_stage(w: &World, id: &str, node_id: &str) -> Option<impl FnOnce(Publi
 fn kubelet(w: &World, p: &Pick) -> Draw {
     let c = &w.chaos;
     let (key, publication) = {
-        let publications = w.publications.lock().unwrap_or_else(PoisonError::into_inner);
+        let publications = w
+            .publications
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let len = publications.len() as u64;
-        let drawn = if len == 0 { None } else { publications.iter().nth(usize::try_from(c.below(len)).unwrap_or(0)) };
+        let drawn = if len == 0 {
+            None
+        } else {
+            publications
+                .iter()
+                .nth(usize::try_from(c.below(len)).unwrap_or(0))
+        };
         match drawn {
             Some((k, v)) => (Some(k.clone()), Some(v.clone())),
             None => (None, None),
@@ -388,7 +426,11 @@ fn kubelet(w: &World, p: &Pick) -> Draw {
         _ => {
             let index = usize::try_from((p.node - 1) * 2 + p.variant).unwrap_or(0);
             let host: SharedHost = Arc::clone(&w.hosts[index]);
-            let staged: Vec<String> = crate::host::lock_host(&host).mounts.keys().cloned().collect();
+            let staged: Vec<String> = crate::host::lock_host(&host)
+                .mounts
+                .keys()
+                .cloned()
+                .collect();
             if staged.is_empty() {
                 return Draw::Skip(format!("kubelet: nothing staged on host {index}"));
             }

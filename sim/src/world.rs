@@ -176,7 +176,9 @@ async fn start_agents(
     for i in 0..config.agents {
         let name = format!("storage-{i}");
         let address = IpAddr::V4(Ipv4Addr::new(127, 0, 0, u8::try_from(i + 1).unwrap_or(1)));
-        store.create_agent(&name, agent_spec(&name, address)).await?;
+        store
+            .create_agent(&name, agent_spec(&name, address))
+            .await?;
         let mut agent = SimAgent::new(&name, &dir.join(&name), address, chaos.clone())?;
         agent.start().await?;
         agents.push(agent);
@@ -274,7 +276,9 @@ impl World {
         }
         let agent = &mut self.agents[which];
         if chaos.strikes(Fault::PowerLoss, chaos.knobs.power_loss, "power loss") {
-            let loss = agent.power_loss(i64::try_from(chaos.below(6)).unwrap_or(0)).await?;
+            let loss = agent
+                .power_loss(i64::try_from(chaos.below(6)).unwrap_or(0))
+                .await?;
             self.fabric.reservations.forget(&agent.name);
             if loss.lost_writes {
                 chaos.count(Fault::PowerLossLostWrites, "un-fsynced writes lost");
