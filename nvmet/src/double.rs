@@ -347,6 +347,22 @@ impl ConfigfsDouble {
         self.host_identifies(nqn)
     }
 
+    /// Simulates `host` disconnecting from `nqn` (`nvme disconnect` of that subsystem): its
+    /// controllers on every port end. Disconnecting a host that has none is not an error.
+    pub fn host_disconnects(&self, nqn: &str, host: &str) -> io::Result<()> {
+        let dir = self.controllers_dir();
+        if !dir.is_dir() {
+            return Ok(());
+        }
+        for port in Self::dir_entries(&dir)? {
+            match fs::remove_file(dir.join(port).join(nqn).join(host)) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// The live controllers of `nqn`: (port, host NQN) pairs, sorted.
     pub fn controllers(&self, nqn: &str) -> io::Result<Vec<(u16, String)>> {
         let mut out = Vec::new();

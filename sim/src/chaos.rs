@@ -29,6 +29,11 @@ pub enum Fault {
     AgentCrash,
     /// A crash that also lost the agent's state directory.
     AgentStateLost,
+    /// An agent's node lost power: un-fsynced writes of its state directory may be gone (one
+    /// crash state of `pillar_durable::crash`), and the target's memory is.
+    PowerLoss,
+    /// A power loss whose crash state lost writes the directory held before it.
+    PowerLossLostWrites,
     /// A request to an agent lost before it arrived.
     RequestDropped,
     /// A request to an agent held back.
@@ -62,6 +67,8 @@ pub struct Knobs {
     pub conflict: u64,
     pub crash: u64,
     pub state_loss: u64,
+    /// Per mille of agent crash chances that are a power loss instead.
+    pub power_loss: u64,
     pub drop_request: u64,
     pub delay_request: u64,
     pub duplicate: u64,
@@ -80,6 +87,7 @@ impl Default for Knobs {
             conflict: 60,
             crash: 30,
             state_loss: 0,
+            power_loss: 300,
             drop_request: 40,
             delay_request: 200,
             duplicate: 60,

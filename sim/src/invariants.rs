@@ -2,7 +2,7 @@
 //! final drain (when every message still in flight has landed or died).
 //!
 //! 1. At the target at most one host is admitted to a single-writer volume (and never any host,
-//!    `allow_any_host`, under `acl: true`). Every simulated volume is single-writer.
+//!    `allow_any_host`, under `acl: true`).
 //! 2. No agent applies a change with a generation below its mark: a volume's (or snapshot's)
 //!    mark never moves back within one lifecycle.
 //! 3. A volume (or snapshot) deleted and re-created under one name is never touched by the old
@@ -11,6 +11,17 @@
 //!    a target has a publication record (possibly being revoked) of that volume, on that agent.
 //! 5. A published volume is never deleted: once a lifecycle's backend volume existed, it exists
 //!    as long as that lifecycle has a publication record.
+//! 6. Two hosts never write one volume (N5): at most one host is live on a volume (staged and
+//!    holding a controller at its target, `crate::host`) with a read-write stage.
+//! 7. A host is live on a volume only while the volume's publication record names it (node and
+//!    host NQN, on that agent, possibly being revoked): no stage on a host the record does not
+//!    name can reach the data.
+//! 8. An acknowledged expansion is never lost: once ControllerExpandVolume answered a size for a
+//!    lifecycle, that lifecycle's record and its backend volume are at least that large for as
+//!    long as the lifecycle lives (and is not being deleted).
+//!
+//! Invariant 1 allows several hosts at the target only when every publication naming them is
+//! read-only (ROX, or readonly): a read-only publication is shared.
 //!
 //! Marks are read from the agents' state directories, the ACLs from the configfs doubles, the
 //! backends from the pool directories and the records from the shared store, all without an
@@ -20,9 +31,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use pillar_nvmet::{SubsystemNqn, VolumeId};
-use pillar_state::crd::PillarVolumeState;
+use pillar_state::crd::{AccessMode, PillarVolumeState, PublishedNode};
 
+use crate::host::{SharedHost, Targets};
 use crate::node::SimAgent;
+
+mod hosts;
 
 /// Which invariant broke.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -32,6 +46,9 @@ pub enum Invariant {
     OldLifecycleNeverTouchesNew = 3,
     RecordOutlivesAccess = 4,
     PublishedNeverDeleted = 5,
+    OneWriterAtHosts = 6,
+    StageNamedByRecord = 7,
+    ExpansionKept = 8,
 }
 
 impl fmt::Display for Invariant {
@@ -44,6 +61,11 @@ impl fmt::Display for Invariant {
                 "4 (a record is removed only after its revoke is confirmed)"
             }
             Self::PublishedNeverDeleted => "5 (a published volume is never deleted)",
+            Self::OneWriterAtHosts => "6 (two hosts never write one volume, N5)",
+            Self::StageNamedByRecord => {
+                "7 (a host reaches a volume only while its record names the host)"
+            }
+            Self::ExpansionKept => "8 (an acknowledged expansion is never lost)",
         };
         f.write_str(text)
     }
@@ -77,19 +99,39 @@ fn violation(invariant: Invariant, detail: String) -> Option<Violation> {
     Some(Violation { invariant, detail })
 }
 
+/// What the checker looks at: the world at one instant.
+#[derive(Clone, Copy, Debug)]
+pub struct View<'a> {
+    pub agents: &'a [SimAgent],
+    pub hosts: &'a [SharedHost],
+    pub targets: &'a Targets,
+    /// Publication records, by volume ID.
+    pub volumes: &'a BTreeMap<String, PillarVolumeState>,
+    /// Acknowledged expansions: (volume ID, lifecycle UID) to the largest size answered.
+    pub expansions: &'a BTreeMap<(String, String), u64>,
+}
+
+/// Whether a publication gives read access only (the checker's own reading of N5).
+fn read_only(p: &PublishedNode) -> bool {
+    p.readonly
+        || matches!(
+            p.access_mode,
+            AccessMode::MultiNodeReaderOnly | AccessMode::SingleNodeReaderOnly
+        )
+}
+
 impl Checker {
-    /// Checks every invariant against the agents and the store's records.
-    pub fn check(
-        &mut self,
-        agents: &[SimAgent],
-        volumes: &BTreeMap<String, PillarVolumeState>,
-    ) -> Option<Violation> {
-        for agent in agents {
-            if let Some(v) = self.check_agent(agent, volumes) {
+    /// Checks every invariant against the world.
+    pub fn check(&mut self, view: View<'_>) -> Option<Violation> {
+        if let Some(v) = hosts::check(view) {
+            return Some(v);
+        }
+        for agent in view.agents {
+            if let Some(v) = self.check_agent(agent, view.volumes) {
                 return Some(v);
             }
         }
-        None
+        hosts::check_expansions(view)
     }
 
     fn check_agent(
@@ -112,7 +154,16 @@ impl Checker {
                 .and_then(|n| n.volume_id().ok())
                 .map(|v| v.to_string())
                 .unwrap_or_default();
-            if sub.allow_any_host || sub.allowed_hosts.len() > 1 {
+            let shared = sub.allowed_hosts.iter().all(|h| {
+                volumes.get(&volume).is_some_and(|v| {
+                    v.status_or_default()
+                        .published_nodes
+                        .iter()
+                        .filter(|p| p.host_nqn == *h)
+                        .all(read_only)
+                })
+            });
+            if sub.allow_any_host || (sub.allowed_hosts.len() > 1 && !shared) {
                 return violation(
                     Invariant::OneWriterAtTarget,
                     format!(

@@ -44,8 +44,10 @@
 //! deleted.
 
 pub mod chaos;
+pub mod host;
 pub mod invariants;
 pub mod node;
+mod ops;
 pub mod rng;
 pub mod store;
 pub mod transport;

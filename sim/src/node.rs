@@ -18,10 +18,14 @@ use pillar_agent::Hooks;
 use pillar_agent::TargetConfig;
 use pillar_agent::grpc::AgentService;
 use pillar_agent::metrics::Metrics;
-use pillar_agent::server::build_agent;
-use pillar_agent::{EngineKind, Listen, ServerConfig, ServerError};
+use pillar_agent::server::build_agent_with_fs;
+use pillar_agent::{EngineKind, Listen, ServerConfig};
 use pillar_agent::{PoolConfig, PoolKind};
 use pillar_agent_api::v1::agent_server::AgentServer;
+use pillar_durable::crash::{CrashState, Model};
+use pillar_durable::record::Recorder;
+use pillar_durable::{DurableFile, DurableFs};
+use std::sync::atomic::{AtomicI64, Ordering};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -39,15 +43,162 @@ pub struct SimAgent {
     pub configfs: PathBuf,
     pub pool: PathBuf,
     pub link: Arc<Link>,
+    /// The NVMe/TCP address its target listens on.
+    pub address: std::net::IpAddr,
     hooks: Hooks,
     chaos: Chaos,
     running: Option<(Arc<KillSwitch>, JoinHandle<()>)>,
     pub incarnation: u32,
+    /// The durable writes of this boot (since the last power loss or state loss).
+    recorder: Option<PowerSwitch>,
+}
+
+/// The agent's durable file operations: the boot's recorder, behind a switch that cuts the
+/// power after a set number of further operations (every later one fails with EIO, as a
+/// write to a disk without power does), so a loss can land in the middle of a durable write.
+#[derive(Clone, Debug)]
+struct PowerSwitch {
+    inner: Recorder,
+    /// Operations left before the cut; negative: not armed.
+    left: Arc<AtomicI64>,
+}
+
+fn cut() -> std::io::Error {
+    std::io::Error::other("the power is off")
+}
+
+impl PowerSwitch {
+    fn step(&self) -> std::io::Result<()> {
+        if self.left.load(Ordering::Relaxed) < 0 {
+            return Ok(());
+        }
+        if self.left.fetch_sub(1, Ordering::Relaxed) <= 0 {
+            self.left.store(0, Ordering::Relaxed);
+            return Err(cut());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct SwitchedFile {
+    inner: Box<dyn DurableFile>,
+    switch: PowerSwitch,
+}
+
+impl std::io::Write for SwitchedFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.switch.step()?;
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl DurableFile for SwitchedFile {
+    fn sync_all(&mut self) -> std::io::Result<()> {
+        self.switch.step()?;
+        self.inner.sync_all()
+    }
+}
+
+impl DurableFs for PowerSwitch {
+    fn create_new(&self, path: &Path, mode: u32) -> std::io::Result<Box<dyn DurableFile>> {
+        self.step()?;
+        let inner = self.inner.create_new(path, mode)?;
+        Ok(Box::new(SwitchedFile {
+            inner,
+            switch: self.clone(),
+        }))
+    }
+
+    fn create(&self, path: &Path) -> std::io::Result<Box<dyn DurableFile>> {
+        self.step()?;
+        let inner = self.inner.create(path)?;
+        Ok(Box::new(SwitchedFile {
+            inner,
+            switch: self.clone(),
+        }))
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.rename(from, to)
+    }
+
+    fn remove_file(&self, path: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.remove_file(path)
+    }
+
+    fn create_dir_all(&self, path: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.create_dir_all(path)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+        self.step()?;
+        self.inner.sync_dir(dir)
+    }
+}
+
+/// What a power loss left of the state directory.
+#[derive(Clone, Copy, Debug)]
+pub struct PowerLoss {
+    /// Crash states the boot's operations allow.
+    pub states: usize,
+    /// Whether the state chosen lost something the directory held (un-fsynced writes).
+    pub lost_writes: bool,
+}
+
+/// The state directory as it is now, in the crash model's terms.
+fn current_state(root: &Path) -> std::io::Result<CrashState> {
+    let mut state = CrashState {
+        dirs: Default::default(),
+        files: Default::default(),
+    };
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        for entry in std::fs::read_dir(root.join(&rel))? {
+            let entry = entry?;
+            let name = rel.join(entry.file_name());
+            if entry.file_type()?.is_dir() {
+                state.dirs.insert(name.clone());
+                stack.push(name);
+            } else {
+                state.files.insert(name, std::fs::read(entry.path())?);
+            }
+        }
+    }
+    Ok(state)
+}
+
+/// Writes `state` under the empty `root`; a file's directory is made if the state lacks it
+/// (directories the agent makes outside the recorder are durable, see the module docs).
+fn rebuild(state: &CrashState, root: &Path) -> std::io::Result<()> {
+    for dir in &state.dirs {
+        std::fs::create_dir_all(root.join(dir))?;
+    }
+    for (path, bytes) in &state.files {
+        let path = root.join(path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(path, bytes)?;
+    }
+    Ok(())
 }
 
 impl SimAgent {
     /// A node named `name` with its directories under `dir`; not started.
-    pub fn new(name: &str, dir: &Path, chaos: Chaos) -> std::io::Result<Self> {
+    pub fn new(
+        name: &str,
+        dir: &Path,
+        address: std::net::IpAddr,
+        chaos: Chaos,
+    ) -> std::io::Result<Self> {
         let pool = dir.join("pool");
         std::fs::create_dir_all(&pool)?;
         let hooks = Hooks::default();
@@ -58,10 +209,12 @@ impl SimAgent {
             configfs: dir.join("configfs"),
             pool,
             link: Arc::new(Link::default()),
+            address,
             hooks,
             chaos,
             running: None,
             incarnation: 0,
+            recorder: None,
         })
     }
 
@@ -81,7 +234,7 @@ impl SimAgent {
                 },
             }],
             settings: AgentSettings {
-                nvme_address: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                nvme_address: self.address,
                 kernel_random_identity: false,
                 unsafe_revoke_acl_only: false,
                 hooks: self.hooks.clone(),
@@ -94,9 +247,21 @@ impl SimAgent {
     }
 
     /// Starts a new incarnation (it waits for the controller's resync, C3).
-    pub async fn start(&mut self) -> Result<(), ServerError> {
+    pub async fn start(&mut self) -> Result<(), crate::world::SimError> {
         let metrics = Arc::new(Metrics::new());
-        let agent = build_agent(&self.config(), &metrics).await?;
+        let recorder = match &self.recorder {
+            Some(r) => r.clone(),
+            None => {
+                std::fs::create_dir_all(&self.state)?;
+                let r = PowerSwitch {
+                    inner: Recorder::new(&self.state)?,
+                    left: Arc::new(AtomicI64::new(-1)),
+                };
+                self.recorder = Some(r.clone());
+                r
+            }
+        };
+        let agent = build_agent_with_fs(&self.config(), &metrics, Arc::new(recorder)).await?;
         let kill = Arc::new(KillSwitch::default());
         let service = ChaosAgent::new(
             AgentService::new(agent, metrics),
@@ -138,6 +303,43 @@ impl SimAgent {
         }
         if lose_state {
             let _ = std::fs::remove_dir_all(&self.state);
+            self.recorder = None;
         }
+    }
+
+    /// The node loses power after `after` more durable file operations of work already under
+    /// way (none left: at once): the process dies, the state directory is left as one crash
+    /// state of this boot's writes (chosen by the seed), the target's memory is gone (see the
+    /// module documentation).
+    pub async fn power_loss(&mut self, after: i64) -> std::io::Result<PowerLoss> {
+        if let Some(switch) = &self.recorder {
+            switch.left.store(after, Ordering::Relaxed);
+        }
+        // The node runs on for a moment: work under way, or arriving, runs into the cut.
+        tokio::time::sleep(self.chaos.pause(50)).await;
+        self.crash(false).await;
+        let Some(switch) = self.recorder.take() else {
+            return Ok(PowerLoss {
+                states: 0,
+                lost_writes: false,
+            });
+        };
+        let recording = switch.inner.recording();
+        let states = recording.states_after(recording.ops.len(), Model::SECTOR);
+        let pick = usize::try_from(self.chaos.below(states.len() as u64)).unwrap_or(0);
+        let now = current_state(&self.state)?;
+        let chosen = states
+            .iter()
+            .nth(pick)
+            .cloned()
+            .unwrap_or_else(|| now.clone());
+        std::fs::remove_dir_all(&self.state)?;
+        std::fs::create_dir_all(&self.state)?;
+        rebuild(&chosen, &self.state)?;
+        let _ = std::fs::remove_dir_all(&self.configfs);
+        Ok(PowerLoss {
+            states: states.len(),
+            lost_writes: chosen.files != now.files,
+        })
     }
 }

@@ -1,22 +1,23 @@
-//! One seed: the world (store, two controller replicas, agents), the random operations and
-//! faults, the invariant checks, the final drain.
+//! One seed: the world (store, two controller replicas, agents, hosts), the random operations
+//! and faults, the invariant checks, the final drain.
 
-use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use pillar_agent::blocking::Deferral;
-use pillar_csi::controller::{Controller, code_of, volume_id_for_name};
-use pillar_csi::csi;
+use pillar_csi::controller::Controller;
 use pillar_csi::root::{AgentReach, ControllerBuilder};
-use pillar_state::StateStore;
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PillarVolumeState, PoolRef};
+use pillar_state::{MemoryStore, StateStore};
 
 use crate::chaos::{Chaos, Fault, FaultCounts, Knobs};
-use crate::invariants::{Checker, Violation};
+use crate::host::{Fabric, Publication, Reservations, SharedHost, SimHost};
+use crate::invariants::{Checker, View, Violation};
 use crate::node::{POOL, SimAgent};
+use crate::ops::{self, Draw};
 use crate::store::{replica_store, shared_store};
 use crate::transport::{Link, dialer};
 
@@ -27,7 +28,7 @@ pub struct Config {
     pub steps: usize,
     /// Volume names in play (re-created under the same name after deletes).
     pub volumes: usize,
-    /// Kubernetes nodes; each has two host NQNs it may present.
+    /// Kubernetes nodes; each has two host NQNs it may present, each a host of its own.
     pub nodes: u32,
     /// Storage nodes (agents).
     pub agents: usize,
@@ -41,7 +42,7 @@ impl Default for Config {
             steps: 40,
             volumes: 2,
             nodes: 3,
-            agents: 2,
+            agents: 3,
             knobs: Knobs::default(),
         }
     }
@@ -58,6 +59,8 @@ pub enum SimError {
     Agent(#[from] pillar_agent::ServerError),
     #[error("a controller replica failed to start")]
     Controller(#[from] pillar_csi::controller::metrics::MetricsError),
+    #[error("a host could not be set up: {0}")]
+    Host(String),
 }
 
 /// What one seed did.
@@ -71,27 +74,14 @@ pub struct SeedOutcome {
     pub ok: usize,
 }
 
-const PROTOCOL: &str = "nvme-tcp";
+pub(crate) const PROTOCOL: &str = "nvme-tcp";
 
-fn host(node: u32, variant: u32) -> String {
+/// Host NQN `variant` of node `node`.
+pub(crate) fn host(node: u32, variant: u32) -> String {
     format!(
         "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-{:012}",
         node * 10 + variant
     )
-}
-
-fn capability() -> csi::VolumeCapability {
-    use csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
-    csi::VolumeCapability {
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter.into(),
-        }),
-        access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: "ext4".into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        })),
-    }
 }
 
 /// The temp directory root: tmpfs when there is one (fsync of marks is free there).
@@ -106,8 +96,6 @@ fn temp_root() -> std::io::Result<tempfile::TempDir> {
     }
     tempfile::Builder::new().prefix("pillar-sim").tempdir()
 }
-
-type Op = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 
 /// Runs seed `seed` to its end or its first violation.
 pub fn run_seed(seed: u64, config: &Config) -> Result<SeedOutcome, SimError> {
@@ -145,280 +133,236 @@ pub fn run_seed(seed: u64, config: &Config) -> Result<SeedOutcome, SimError> {
     })
 }
 
+/// Everything one seed runs.
+pub(crate) struct World {
+    pub config: Config,
+    pub chaos: Chaos,
+    pub store: Arc<MemoryStore>,
+    pub agents: Vec<SimAgent>,
+    pub replicas: Vec<Arc<Controller>>,
+    /// Hosts, `(node - 1) * 2 + variant`.
+    pub hosts: Vec<SharedHost>,
+    pub fabric: Fabric,
+    /// What each kubelet was told by ControllerPublish: (volume ID, node ID) to the answer.
+    pub publications: Arc<Mutex<BTreeMap<(String, String), Publication>>>,
+    /// Acknowledged expansions (invariant 8).
+    pub expansions: Arc<Mutex<BTreeMap<(String, String), u64>>>,
+    checker: Checker,
+}
+
+/// The storage node `i`'s agent record.
+fn agent_spec(name: &str, address: IpAddr) -> PillarAgentSpec {
+    PillarAgentSpec {
+        node: name.to_owned(),
+        address: format!("sim://{name}"),
+        tls: None,
+        pools: vec![PoolRef {
+            name: POOL.into(),
+            kind: "plain-file".into(),
+        }],
+        nvme_address: address.to_string(),
+        topology: Default::default(),
+    }
+}
+
+/// Starts the agents, each with its own NVMe address.
+async fn start_agents(
+    config: &Config,
+    chaos: &Chaos,
+    store: &MemoryStore,
+    dir: &std::path::Path,
+) -> Result<Vec<SimAgent>, SimError> {
+    let mut agents = Vec::new();
+    for i in 0..config.agents {
+        let name = format!("storage-{i}");
+        let address = IpAddr::V4(Ipv4Addr::new(127, 0, 0, u8::try_from(i + 1).unwrap_or(1)));
+        store
+            .create_agent(&name, agent_spec(&name, address))
+            .await?;
+        let mut agent = SimAgent::new(&name, &dir.join(&name), address, chaos.clone())?;
+        agent.start().await?;
+        agents.push(agent);
+    }
+    Ok(agents)
+}
+
+/// Every node's two hosts.
+fn make_hosts(config: &Config, dir: &std::path::Path) -> Result<Vec<SharedHost>, SimError> {
+    let mut hosts = Vec::new();
+    for node in 1..=config.nodes {
+        for variant in 0..2 {
+            let name = format!("node-{node}");
+            let path = dir.join("hosts").join(format!("{name}-{variant}"));
+            let h = SimHost::new(&name, &host(node, variant), &path).map_err(SimError::Host)?;
+            hosts.push(Arc::new(Mutex::new(h)));
+        }
+    }
+    Ok(hosts)
+}
+
+impl World {
+    async fn build(
+        config: &Config,
+        chaos: &Chaos,
+        dir: &std::path::Path,
+    ) -> Result<Self, SimError> {
+        let store = shared_store(chaos);
+        let protocol = PillarProtocolSpec {
+            nvme_tcp: NvmeTcp {
+                acl: true,
+                ..NvmeTcp::default()
+            },
+        };
+        store.create_protocol(PROTOCOL, protocol).await?;
+        let agents = start_agents(config, chaos, &store, dir).await?;
+        let links: BTreeMap<String, Arc<Link>> = agents
+            .iter()
+            .map(|a| (a.name.clone(), Arc::clone(&a.link)))
+            .collect();
+        let dial = dialer(Arc::new(links));
+        let mut replicas = Vec::new();
+        for r in 0..2 {
+            let store = replica_store(Arc::clone(&store) as Arc<dyn StateStore>, chaos.clone(), r);
+            let wired = ControllerBuilder::new(store, AgentReach::Dialer(Arc::clone(&dial)))
+                .build()
+                .await?;
+            replicas.push(wired.controller());
+        }
+        let targets = agents
+            .iter()
+            .map(|a| (a.address, (a.name.clone(), a.configfs.clone())))
+            .collect();
+        Ok(Self {
+            config: *config,
+            chaos: chaos.clone(),
+            store,
+            hosts: make_hosts(config, dir)?,
+            agents,
+            replicas,
+            fabric: Fabric {
+                targets: Arc::new(targets),
+                reservations: Arc::new(Reservations::default()),
+                chaos: chaos.clone(),
+            },
+            publications: Arc::default(),
+            expansions: Arc::default(),
+            checker: Checker::default(),
+        })
+    }
+
+    /// Checks every invariant now.
+    fn check(&mut self) -> Result<Option<Violation>, SimError> {
+        let volumes = self.store.records::<PillarVolumeState>()?;
+        let expansions = self
+            .expansions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        Ok(self.checker.check(View {
+            agents: &self.agents,
+            hosts: &self.hosts,
+            targets: &self.fabric.targets,
+            volumes: &volumes,
+            expansions: &expansions,
+        }))
+    }
+
+    /// An agent crash, maybe a power loss or a lost state directory, at `step`.
+    async fn crash(&mut self, step: usize) -> Result<(), SimError> {
+        let chaos = self.chaos.clone();
+        let which = usize::try_from(chaos.below(self.agents.len() as u64)).unwrap_or(0);
+        if !chaos.strikes(Fault::AgentCrash, chaos.knobs.crash * 10, "agent crash") {
+            return Ok(());
+        }
+        let agent = &mut self.agents[which];
+        if chaos.strikes(Fault::PowerLoss, chaos.knobs.power_loss, "power loss") {
+            let loss = agent
+                .power_loss(i64::try_from(chaos.below(6)).unwrap_or(0))
+                .await?;
+            self.fabric.reservations.forget(&agent.name);
+            if loss.lost_writes {
+                chaos.count(Fault::PowerLossLostWrites, "un-fsynced writes lost");
+            }
+            chaos.trace(format!(
+                "step {step}: power loss of {} (incarnation {}): {} crash states, writes lost: {}",
+                agent.name, agent.incarnation, loss.states, loss.lost_writes
+            ));
+        } else {
+            // Counted only with a crash: a loss without one is no loss.
+            let lose = chaos.strikes(
+                Fault::AgentStateLost,
+                chaos.knobs.state_loss,
+                "the state directory is lost",
+            );
+            chaos.trace(format!(
+                "step {step}: crash {} (incarnation {}, state lost: {lose})",
+                agent.name, agent.incarnation
+            ));
+            agent.crash(lose).await;
+        }
+        tokio::time::sleep(chaos.pause(100)).await;
+        agent.start().await
+    }
+}
+
+/// Starts `op` as a task that traces its result.
+fn spawn(
+    chaos: &Chaos,
+    ok: &Arc<AtomicUsize>,
+    step: usize,
+    label: String,
+    op: ops::Op,
+) -> tokio::task::JoinHandle<()> {
+    let cancel_after = if chaos.enabled() && chaos.below(1000) < chaos.knobs.cancel {
+        Some(chaos.pause(250))
+    } else {
+        None
+    };
+    chaos.trace(format!("step {step}: {label} (deadline {cancel_after:?})"));
+    let (c, ok) = (chaos.clone(), Arc::clone(ok));
+    tokio::spawn(async move {
+        let limit = cancel_after.unwrap_or(Duration::from_secs(600));
+        let line = match tokio::time::timeout(limit, op).await {
+            Ok(Ok(())) => {
+                ok.fetch_add(1, Ordering::Relaxed);
+                "ok".to_owned()
+            }
+            Ok(Err(e)) => e,
+            Err(_) => {
+                c.count(
+                    Fault::Cancelled,
+                    &format!("step {step} dropped at an await point"),
+                );
+                "cancelled".to_owned()
+            }
+        };
+        c.trace(format!("  step {step} ({label}) -> {line}"));
+    })
+}
+
 async fn world(
     seed: u64,
     config: &Config,
     chaos: &Chaos,
     dir: &std::path::Path,
 ) -> Result<(Option<Violation>, usize), SimError> {
-    let store = shared_store(chaos);
-    store
-        .create_protocol(
-            PROTOCOL,
-            PillarProtocolSpec {
-                nvme_tcp: NvmeTcp {
-                    acl: true,
-                    ..NvmeTcp::default()
-                },
-            },
-        )
-        .await?;
-    let mut agents = Vec::new();
-    let mut links: BTreeMap<String, Arc<Link>> = BTreeMap::new();
-    for i in 0..config.agents {
-        let name = format!("storage-{i}");
-        store
-            .create_agent(
-                &name,
-                PillarAgentSpec {
-                    node: name.clone(),
-                    address: format!("sim://{name}"),
-                    tls: None,
-                    pools: vec![PoolRef {
-                        name: POOL.into(),
-                        kind: "plain-file".into(),
-                    }],
-                    nvme_address: "127.0.0.1".into(),
-                    topology: Default::default(),
-                },
-            )
-            .await?;
-        let mut agent = SimAgent::new(&name, &dir.join(&name), chaos.clone())?;
-        agent.start().await?;
-        links.insert(name, Arc::clone(&agent.link));
-        agents.push(agent);
-    }
-    let dial = dialer(Arc::new(links));
-    let mut replicas: Vec<Arc<Controller>> = Vec::new();
-    for r in 0..2 {
-        let store = replica_store(Arc::clone(&store) as Arc<dyn StateStore>, chaos.clone(), r);
-        let wired = ControllerBuilder::new(store, AgentReach::Dialer(Arc::clone(&dial)))
-            .build()
-            .await?;
-        replicas.push(wired.controller());
-    }
+    let mut w = World::build(config, chaos, dir).await?;
     chaos.trace(format!("seed {seed}: {config:?}"));
-    replicas[0].resync_waiting_agents().await;
-
-    let ok = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut checker = Checker::default();
+    w.replicas[0].resync_waiting_agents().await;
+    let ok = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     let mut violation = None;
     for step in 0..config.steps {
-        let r = usize::try_from(chaos.below(2)).unwrap_or(0);
-        let replica = Arc::clone(&replicas[r]);
-        // One name in four is a restore's ("vol-r<k>"): restores, and what happens to them.
-        let name = if chaos.below(4) == 0 {
-            format!("vol-r{}", chaos.below(config.volumes as u64))
-        } else {
-            format!("vol-{}", chaos.below(config.volumes as u64))
-        };
-        let id = volume_id_for_name(&name)
-            .map(|v| v.to_string())
-            .unwrap_or_default();
-        let node = 1 + u32::try_from(chaos.below(u64::from(config.nodes))).unwrap_or(0);
-        let variant = u32::try_from(chaos.below(2)).unwrap_or(0);
-        let node_id = format!("node-{node}/{}", host(node, variant));
-        let roll = chaos.below(100);
-        let snapshot = format!("snap-{}", chaos.below(config.volumes as u64));
-        let (label, op): (String, Op) = match roll {
-            0..14 => {
-                let mut parameters = HashMap::new();
-                let agent = chaos.below(config.agents as u64);
-                // A restore's name: a volume restored from a snapshot (on the snapshot's agent).
-                let restore = name.starts_with("vol-r");
-                if !restore {
-                    parameters.insert(
-                        pillar_csi::controller::params::AGENT.to_owned(),
-                        format!("storage-{agent}"),
-                    );
-                }
-                let req = csi::CreateVolumeRequest {
-                    name: name.clone(),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: 16 << 20,
-                        limit_bytes: 0,
-                    }),
-                    volume_capabilities: vec![capability()],
-                    parameters,
-                    volume_content_source: restore.then(|| csi::VolumeContentSource {
-                        r#type: Some(csi::volume_content_source::Type::Snapshot(
-                            csi::volume_content_source::SnapshotSource {
-                                snapshot_id: snapshot.clone(),
-                            },
-                        )),
-                    }),
-                    ..Default::default()
-                };
-                let label = if restore {
-                    format!("CreateVolume {name} from {snapshot}")
-                } else {
-                    format!("CreateVolume {name} on storage-{agent}")
-                };
-                (
-                    label,
-                    Box::pin(async move {
-                        replica
-                            .create_volume(req)
-                            .await
-                            .map(drop)
-                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
-                    }),
-                )
+        match ops::draw(&w, step) {
+            Draw::Crash => w.crash(step).await?,
+            Draw::Skip(why) => chaos.trace(format!("step {step}: {why}")),
+            Draw::Task(label, op) => {
+                tasks.push(spawn(chaos, &ok, step, label, op));
+                tokio::time::sleep(chaos.pause(40)).await;
             }
-            14..22 => {
-                let req = csi::CreateSnapshotRequest {
-                    name: snapshot.clone(),
-                    source_volume_id: id.clone(),
-                    ..Default::default()
-                };
-                (
-                    format!("CreateSnapshot {snapshot} of {name}"),
-                    Box::pin(async move {
-                        replica
-                            .create_snapshot(req)
-                            .await
-                            .map(drop)
-                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
-                    }),
-                )
-            }
-            22..52 => {
-                let req = csi::ControllerPublishVolumeRequest {
-                    volume_id: id.clone(),
-                    node_id: node_id.clone(),
-                    volume_capability: Some(capability()),
-                    readonly: false,
-                    ..Default::default()
-                };
-                (
-                    format!("Publish {name} to {node_id}"),
-                    Box::pin(async move {
-                        replica
-                            .publish(req)
-                            .await
-                            .map(drop)
-                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
-                    }),
-                )
-            }
-            52..80 => {
-                // Now and then "from every node" (an empty node ID).
-                let node_id = if chaos.below(5) == 0 {
-                    String::new()
-                } else {
-                    node_id.clone()
-                };
-                let req = csi::ControllerUnpublishVolumeRequest {
-                    volume_id: id.clone(),
-                    node_id: node_id.clone(),
-                    ..Default::default()
-                };
-                (
-                    format!("Unpublish {name} from {node_id:?}"),
-                    Box::pin(async move {
-                        replica
-                            .unpublish(req)
-                            .await
-                            .map(drop)
-                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
-                    }),
-                )
-            }
-            80..91 => {
-                let req = csi::DeleteVolumeRequest {
-                    volume_id: id.clone(),
-                    ..Default::default()
-                };
-                (
-                    format!("DeleteVolume {name}"),
-                    Box::pin(async move {
-                        replica
-                            .delete_volume(req)
-                            .await
-                            .map(drop)
-                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
-                    }),
-                )
-            }
-            91..93 => {
-                let req = csi::DeleteSnapshotRequest {
-                    snapshot_id: snapshot.clone(),
-                    ..Default::default()
-                };
-                (
-                    format!("DeleteSnapshot {snapshot}"),
-                    Box::pin(async move {
-                        replica
-                            .delete_snapshot(req)
-                            .await
-                            .map(drop)
-                            .map_err(|e| format!("{:?}: {e}", code_of(&e)))
-                    }),
-                )
-            }
-            93..97 => (
-                "resync waiting agents".to_owned(),
-                Box::pin(async move {
-                    replica.resync_waiting_agents().await;
-                    Ok(())
-                }),
-            ),
-            _ => {
-                let which = usize::try_from(chaos.below(config.agents as u64)).unwrap_or(0);
-                if chaos.strikes(Fault::AgentCrash, chaos.knobs.crash * 10, "agent crash") {
-                    // Counted only with a crash: a loss without one is no loss.
-                    let lose = chaos.strikes(
-                        Fault::AgentStateLost,
-                        chaos.knobs.state_loss,
-                        "the state directory is lost",
-                    );
-                    let agent = &mut agents[which];
-                    chaos.trace(format!(
-                        "step {step}: crash {} (incarnation {}, state lost: {lose})",
-                        agent.name, agent.incarnation
-                    ));
-                    agent.crash(lose).await;
-                    tokio::time::sleep(chaos.pause(100)).await;
-                    agent.start().await?;
-                }
-                if let Some(v) = checker.check(&agents, &store.records::<PillarVolumeState>()?) {
-                    violation = Some(v);
-                    break;
-                }
-                continue;
-            }
-        };
-        let cancel_after = if chaos.enabled() && chaos.below(1000) < chaos.knobs.cancel {
-            Some(chaos.pause(250))
-        } else {
-            None
-        };
-        chaos.trace(format!(
-            "step {step}: replica {r}: {label} (deadline {cancel_after:?})"
-        ));
-        let (c, ok) = (chaos.clone(), Arc::clone(&ok));
-        tasks.push(tokio::spawn(async move {
-            let limit = cancel_after.unwrap_or(Duration::from_secs(600));
-            let line = match tokio::time::timeout(limit, op).await {
-                Ok(Ok(())) => {
-                    ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    "ok".to_owned()
-                }
-                Ok(Err(e)) => e,
-                Err(_) => {
-                    c.count(
-                        Fault::Cancelled,
-                        &format!("step {step} dropped at an await point"),
-                    );
-                    "cancelled".to_owned()
-                }
-            };
-            c.trace(format!("  step {step} ({label}) -> {line}"));
-        }));
-        tokio::time::sleep(chaos.pause(40)).await;
-        if let Some(v) = checker.check(&agents, &store.records::<PillarVolumeState>()?) {
-            violation = Some(v);
+        }
+        violation = w.check()?;
+        if violation.is_some() {
             break;
         }
     }
@@ -430,12 +374,12 @@ async fn world(
             let _ = t.await;
         }
         tokio::time::sleep(Duration::from_secs(60)).await;
-        replicas[0].resync_waiting_agents().await;
+        w.replicas[0].resync_waiting_agents().await;
         tokio::time::sleep(Duration::from_secs(60)).await;
-        violation = checker.check(&agents, &store.records::<PillarVolumeState>()?);
+        violation = w.check()?;
     }
     if let Some(v) = &violation {
         chaos.trace(format!("VIOLATION {v}"));
     }
-    Ok((violation, ok.load(std::sync::atomic::Ordering::Relaxed)))
+    Ok((violation, ok.load(Ordering::Relaxed)))
 }

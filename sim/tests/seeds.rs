@@ -6,6 +6,7 @@
 //! - `PILLAR_SIM_STATE_LOSS=<per mille>`: how many agent crashes also lose the state directory
 //!   (default 1000: see `sim/README.md`).
 //! - `PILLAR_SIM_PAUSE_AFTER_WRITE=<per mille>`: replicas stalled after a token write (default 0).
+//! - `PILLAR_SIM_POWER_LOSS=<per mille>`: how many agent crashes are a power loss (default 300).
 //! - `PILLAR_SIM_TRACE=1`: print the trace of every seed, not only of a violating one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
@@ -18,8 +19,9 @@ fn env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-// proves W8, W4, W5, F5, F11, F3 (the simulation's invariants 1-5 over two replicas, agent
-// crashes, cancellations and a hostile network; see sim/src/invariants.rs)
+// proves W8, W4, W5, F5, F11, F3, N5, W7, C6 (the simulation's invariants 1-8 over two
+// replicas, three agents, six hosts, agent crashes and power losses, cancellations and a hostile
+// network; see sim/src/invariants.rs)
 #[test]
 fn no_seed_breaks_an_invariant() {
     let start = env("PILLAR_SIM_START", 0);
@@ -29,6 +31,7 @@ fn no_seed_breaks_an_invariant() {
     let mut config = Config::default();
     // C6: every crash loses the state directory unless told otherwise.
     config.knobs.state_loss = env("PILLAR_SIM_STATE_LOSS", 1000);
+    config.knobs.power_loss = env("PILLAR_SIM_POWER_LOSS", config.knobs.power_loss);
     config.knobs.pause_after_write = env(
         "PILLAR_SIM_PAUSE_AFTER_WRITE",
         config.knobs.pause_after_write,
@@ -64,6 +67,12 @@ fn no_seed_breaks_an_invariant() {
         start + run,
         violating.len(),
         started.elapsed()
+    );
+    let elapsed = started.elapsed();
+    println!(
+        "{} ms a seed, {} seeds a minute",
+        elapsed.as_millis() / u128::from(run.max(1)),
+        u128::from(run) * 60_000 / elapsed.as_millis().max(1)
     );
     println!("violating seeds: {violating:?}");
     println!("{totals}");

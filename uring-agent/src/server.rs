@@ -127,6 +127,26 @@ pub async fn build_agent(
     config: &ServerConfig,
     metrics: &Arc<Metrics>,
 ) -> Result<Arc<Agent>, ServerError> {
+    build(config, metrics, None).await
+}
+
+/// [`build_agent`] with the synchronous engine's durable writes and the state identity's going
+/// through `fs`: the simulation records them to model a power loss (`pillar_durable::crash`).
+/// Fault injection from the environment is off in such an agent.
+#[cfg(feature = "test-seams")]
+pub async fn build_agent_with_fs(
+    config: &ServerConfig,
+    metrics: &Arc<Metrics>,
+    fs: Arc<dyn pillar_durable::DurableFs>,
+) -> Result<Arc<Agent>, ServerError> {
+    build(config, metrics, Some(fs)).await
+}
+
+async fn build(
+    config: &ServerConfig,
+    metrics: &Arc<Metrics>,
+    fs: Option<Arc<dyn pillar_durable::DurableFs>>,
+) -> Result<Arc<Agent>, ServerError> {
     let uring = UringConfig::default().with_batch_observer(metrics.batch_observer());
     // A test build (feature `fault-injection`, never a release) may run with one fsync of
     // every durable replace left out, for the kernel lane's broken-order control.
@@ -137,11 +157,19 @@ pub async fn build_agent(
     };
     #[cfg(not(feature = "fault-injection"))]
     let sync = SyncEngine::new();
+    #[cfg(feature = "test-seams")]
+    let sync = match &fs {
+        Some(fs) => SyncEngine::with_fs(Arc::clone(fs)),
+        None => sync,
+    };
     let engine = Arc::new(match config.engine {
         EngineKind::Uring => Engine::Uring(UringEngine::start(uring)?),
         EngineKind::Sync => Engine::Sync(sync),
     });
-    let (state_id, found) = StateIdentity::open(&config.state_dir)?;
+    let (state_id, found) = match fs {
+        Some(fs) => StateIdentity::open_with(&config.state_dir, fs)?,
+        None => StateIdentity::open(&config.state_dir)?,
+    };
     let marks = MarkStore::open(&config.state_dir)?;
     let snapshot_marks = MarkStore::open_snapshots(&config.state_dir)?;
     let target = Target::open(

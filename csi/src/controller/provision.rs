@@ -471,7 +471,10 @@ impl Controller {
         // caller never hears of a size the record does not hold.
         self.compare_and_swap(&name, &target.uid, |current| {
             let mut spec = current.spec.clone();
-            spec.size_bytes = grown.size_bytes;
+            // Never below what the record holds: a concurrent expansion to a larger size (the
+            // other replica's, answered and recorded first) must not be overwritten by this
+            // call's smaller answer, obtained before that growth.
+            spec.size_bytes = spec.size_bytes.max(grown.size_bytes);
             Ok((Write::Spec(spec), ()))
         })
         .await?;

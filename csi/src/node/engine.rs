@@ -136,8 +136,7 @@ impl Engine {
         ctx: &StageContext,
     ) -> Result<(), NodeError> {
         let mode = cap.stage_mode(ctx.fs_type.unwrap_or(DEFAULT_FS));
-        // N5: a read-only publication stages read-only on every node.
-        let read_only = cap.reader_only() || ctx.read_only;
+        let read_only = super::request::stage_read_only(cap, ctx);
         if read_only && mode == StageMode::Block {
             return Err(NodeError::ReadonlyBlock {
                 volume: volume.to_string(),

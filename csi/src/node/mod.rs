@@ -30,13 +30,16 @@ use pillar_nvmet::VolumeId;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
-/// The request parsers each RPC applies to what a client sent, for the fuzz targets (`fuzz/`);
-/// not part of the crate's API.
+/// The request parsers each RPC applies to what a client sent, and the stage's decisions made
+/// from them, for the fuzz targets (`fuzz/`) and the simulation's hosts (`sim/`); not part of
+/// the crate's API.
 #[doc(hidden)]
 pub mod fuzzing {
     pub use super::request::{
-        AttachTarget, StageContext, capability, path, published_path, stage_context, volume_id,
+        AttachTarget, StageContext, capability, path, published_path, stage_auth, stage_context,
+        stage_read_only, volume_id,
     };
+    pub use super::reserve::wants_reservation;
 }
 
 pub use config::{AttachMode, DEFAULT_CONNECT_TIMEOUT, NodeConfig};

@@ -163,6 +163,13 @@ pub fn stage_auth(
     }))
 }
 
+/// N5: whether a stage with `cap` and the publication's context `ctx` is read-only. A
+/// read-only publication (a reader-only access mode, or the controller's `READ_ONLY` key for a
+/// publication made readonly) stages read-only on every node.
+pub fn stage_read_only(cap: &Capability, ctx: &StageContext) -> bool {
+    cap.reader_only() || ctx.read_only
+}
+
 /// Reads and checks the stage keys of `publish_context` for `volume`.
 pub fn stage_context(
     volume: &VolumeId,

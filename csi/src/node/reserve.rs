@@ -40,7 +40,7 @@ static UNSUPPORTED_LOGGED: AtomicBool = AtomicBool::new(false);
 /// Whether a stage with `cap` (read-only when `read_only`) takes the reservation: a read-write
 /// stage of a single-node mode (SINGLE_NODE_WRITER, SINGLE_NODE_SINGLE_WRITER, and
 /// SINGLE_NODE_MULTI_WRITER, whose writers all share this one host and its reservation).
-pub(crate) fn wants_reservation(cap: &Capability, read_only: bool) -> bool {
+pub fn wants_reservation(cap: &Capability, read_only: bool) -> bool {
     !read_only && !cap.reader_only() && !cap.mode.is_multi_node()
 }
 

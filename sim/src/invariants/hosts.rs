@@ -1,0 +1,108 @@
+//! Invariants 6, 7 (the hosts) and 8 (acknowledged expansions); see the parent module.
+
+use std::collections::BTreeMap;
+
+use pillar_nvmet::SubsystemNqn;
+
+use super::{Invariant, View, Violation, violation};
+use crate::host::lock_host;
+
+/// The volume ID a subsystem NQN names.
+fn volume_of(nqn: &str) -> String {
+    SubsystemNqn::parse(nqn)
+        .ok()
+        .and_then(|n| n.volume_id().ok())
+        .map(|v| v.to_string())
+        .unwrap_or_default()
+}
+
+/// Invariants 6 and 7.
+pub(super) fn check(view: View<'_>) -> Option<Violation> {
+    // Per volume: the hosts live on it with a read-write stage.
+    let mut writers: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for host in view.hosts {
+        let h = lock_host(host);
+        for staged in h.mounts.values() {
+            if !h.live(staged, view.targets) {
+                continue;
+            }
+            let volume = volume_of(&staged.nqn);
+            let named = view.volumes.get(&volume).is_some_and(|v| {
+                v.spec.agent == staged.agent
+                    && v.status_or_default()
+                        .published_nodes
+                        .iter()
+                        .any(|p| p.node == h.node && p.host_nqn == h.host_nqn)
+            });
+            if !named {
+                return violation(
+                    Invariant::StageNamedByRecord,
+                    format!(
+                        "{} ({}) is live on {volume} at {}, which no publication record names (records: {:?})",
+                        h.node,
+                        h.host_nqn,
+                        staged.agent,
+                        view.volumes
+                            .get(&volume)
+                            .map(|v| v.status_or_default().published_nodes)
+                    ),
+                );
+            }
+            if !staged.read_only {
+                writers
+                    .entry(volume)
+                    .or_default()
+                    .push(format!("{} ({})", h.node, h.host_nqn));
+            }
+        }
+    }
+    writers
+        .into_iter()
+        .find(|(_, w)| w.len() > 1)
+        .and_then(|(volume, w)| {
+            violation(
+                Invariant::OneWriterAtHosts,
+                format!("{volume} is staged read-write and reachable on {w:?}"),
+            )
+        })
+}
+
+/// Invariant 8.
+pub(super) fn check_expansions(view: View<'_>) -> Option<Violation> {
+    for ((volume, uid), size) in view.expansions {
+        let Some(record) = view.volumes.get(volume) else {
+            continue;
+        };
+        if record.metadata.uid.as_deref() != Some(uid.as_str())
+            || record.status_or_default().deleting
+        {
+            continue;
+        }
+        if record.spec.size_bytes < *size {
+            return violation(
+                Invariant::ExpansionKept,
+                format!(
+                    "{volume} (lifecycle {uid}) was expanded to {size} bytes, its record says {}",
+                    record.spec.size_bytes
+                ),
+            );
+        }
+        let Some(agent) = view.agents.iter().find(|a| a.name == record.spec.agent) else {
+            continue;
+        };
+        let backend = agent.pool.join(format!("{volume}.img"));
+        if let Ok(meta) = std::fs::metadata(&backend)
+            && meta.len() < *size
+        {
+            return violation(
+                Invariant::ExpansionKept,
+                format!(
+                    "{volume} (lifecycle {uid}) was expanded to {size} bytes, its backend at {} holds {}",
+                    agent.name,
+                    meta.len()
+                ),
+            );
+        }
+    }
+    None
+}
