@@ -233,27 +233,8 @@ impl Engine {
         }
 
         if let StageMode::Filesystem { fs_type } = mode {
-            let mut flags: Vec<String> = match &cap.access {
-                Access::Mount { flags, .. } => flags.clone(),
-                Access::Block => Vec::new(),
-            };
-            let mut existing = false;
-            if read_only {
-                // N5: never written, not even by a log replay; and never formatted.
-                self.require_filesystem(&device, fs_type)?;
-                flags.push(fs_type.no_log_replay_option().to_owned());
-            } else {
-                existing = matches!(
-                    self.format(&device, fs_type, ctx)?,
-                    Formatted::AlreadyHad(_)
-                );
-            }
-            // A clone or restore staged next to its source carries the source's UUID.
-            if let Some(option) = fs_type.duplicate_uuid_option()
-                && !flags.iter().any(|f| f == option)
-            {
-                flags.push(option.to_owned());
-            }
+            let (flags, existing) =
+                self.prepare_filesystem(&device, fs_type, cap, ctx, read_only)?;
             record.phase = StagePhase::Formatted;
             self.write_record(&record)?;
             self.mount_staging(volume, &device, staging, fs_type, read_only, &flags)?;
@@ -268,6 +249,38 @@ impl Engine {
         self.write_record(&record)?;
         tracing::info!(device = %device.path.display(), "staged");
         Ok(())
+    }
+
+    /// The filesystem of a stage before its mount: formatted if blank (N3), or required as it
+    /// is for a read-only stage (N5); returns the mount flags and whether the device already
+    /// held the filesystem.
+    fn prepare_filesystem(
+        &self,
+        device: &Device,
+        fs_type: FsType,
+        cap: &Capability,
+        ctx: &StageContext,
+        read_only: bool,
+    ) -> Result<(Vec<String>, bool), NodeError> {
+        let mut flags: Vec<String> = match &cap.access {
+            Access::Mount { flags, .. } => flags.clone(),
+            Access::Block => Vec::new(),
+        };
+        let mut existing = false;
+        if read_only {
+            // N5: never written, not even by a log replay; and never formatted.
+            self.require_filesystem(device, fs_type)?;
+            flags.push(fs_type.no_log_replay_option().to_owned());
+        } else {
+            existing = matches!(self.format(device, fs_type, ctx)?, Formatted::AlreadyHad(_));
+        }
+        // A clone or restore staged next to its source carries the source's UUID.
+        if let Some(option) = fs_type.duplicate_uuid_option()
+            && !flags.iter().any(|f| f == option)
+        {
+            flags.push(option.to_owned());
+        }
+        Ok((flags, existing))
     }
 
     /// A repeated NodeStage of a staged volume takes the reservation back if the target forgot
