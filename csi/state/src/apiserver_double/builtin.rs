@@ -113,7 +113,7 @@ fn create_lease(st: &mut State, ns: &str, body: Option<Value>) -> Answer {
 /// PUT of a Lease. Built-in kinds allow unconditional updates (no resourceVersion in the
 /// body); a stale one is 409 Conflict; a missing Lease is 404 (no create on update).
 fn update_lease(st: &mut State, ns: &str, name: &str, body: Option<Value>) -> Answer {
-    let Some(Value::Object(mut body)) = body else {
+    let Some(Value::Object(body)) = body else {
         return bad_request("the body of the request was in an unknown format");
     };
     let key = (ns.to_owned(), name.to_owned());
@@ -139,12 +139,33 @@ fn update_lease(st: &mut State, ns: &str, name: &str, body: Option<Value>) -> An
     if let Some(detail) = invalid_lease_spec(&body) {
         return lease_invalid(name, &detail);
     }
+    match replaced(st, name, body, &current, &current_rv) {
+        None => (StatusCode::OK, Value::Object(current)),
+        Some(body) => {
+            st.leases.insert(key, body.clone());
+            (StatusCode::OK, body)
+        }
+    }
+}
+
+/// The end of a replace of a built-in object, as the API server does it: the name and the
+/// server's fields (`uid`, `creationTimestamp`, `namespace`) kept from `current`; a write that
+/// changes nothing keeps its resourceVersion and is `None` (answer `current`), any other takes
+/// the next one and is the object to store.
+pub(super) fn replaced(
+    st: &mut State,
+    name: &str,
+    mut body: Map<String, Value>,
+    current: &Map<String, Value>,
+    current_rv: &str,
+) -> Option<Value> {
     let old_meta = current
         .get("metadata")
         .and_then(Value::as_object)
         .cloned()
         .unwrap_or_default();
     with_metadata(&mut body, |meta| {
+        meta.insert("name".into(), json!(name));
         for key in ["uid", "creationTimestamp", "namespace"] {
             if let Some(v) = old_meta.get(key) {
                 meta.insert(key.into(), v.clone());
@@ -152,14 +173,12 @@ fn update_lease(st: &mut State, ns: &str, name: &str, body: Option<Value>) -> An
         }
     });
     meta_insert(&mut body, "resourceVersion", json!(current_rv));
-    if body == current {
-        return (StatusCode::OK, Value::Object(current));
+    if body == *current {
+        return None;
     }
     let rv = st.next_rv();
     meta_insert(&mut body, "resourceVersion", json!(rv));
-    let body = Value::Object(body);
-    st.leases.insert(key, body.clone());
-    (StatusCode::OK, body)
+    Some(Value::Object(body))
 }
 
 pub(super) const EVENTS_PREFIX: &str = "/apis/events.k8s.io/v1/namespaces/";

@@ -19,8 +19,8 @@ use k8s_openapi::ByteString;
 use serde_json::{Map, Value, json};
 
 use super::{
-    Answer, State, bad_request, failure_status, meta_insert, meta_str, method_not_allowed,
-    stamp_created, unknown_path, with_metadata,
+    Answer, State, bad_request, failure_status, meta_str, method_not_allowed, stamp_created,
+    unknown_path,
 };
 
 /// The largest a Secret's data may be (`MaxSecretSize`).
@@ -222,26 +222,11 @@ fn update_secret(st: &mut State, ns: &str, name: &str, body: Option<Value>) -> A
             "Forbidden: field is immutable when `immutable` is set",
         );
     }
-    let old_meta = current
-        .get("metadata")
-        .and_then(Value::as_object)
-        .cloned()
-        .unwrap_or_default();
-    with_metadata(&mut body, |meta| {
-        meta.insert("name".into(), json!(name));
-        for key in ["uid", "creationTimestamp", "namespace"] {
-            if let Some(v) = old_meta.get(key) {
-                meta.insert(key.into(), v.clone());
-            }
+    match super::builtin::replaced(st, name, body, &current, &current_rv) {
+        None => (StatusCode::OK, Value::Object(current)),
+        Some(body) => {
+            st.secrets.insert(key, body.clone());
+            (StatusCode::OK, body)
         }
-    });
-    meta_insert(&mut body, "resourceVersion", json!(current_rv));
-    if body == current {
-        return (StatusCode::OK, Value::Object(current));
     }
-    let rv = st.next_rv();
-    meta_insert(&mut body, "resourceVersion", json!(rv));
-    let body = Value::Object(body);
-    st.secrets.insert(key, body.clone());
-    (StatusCode::OK, body)
 }
