@@ -87,30 +87,13 @@ impl Node {
     }
 
     async fn serve(root: PathBuf, shm: Arc<tempfile::TempDir>) -> anyhow::Result<Self> {
-        let config = ServerConfig {
-            state_dir: root.join("state"),
-            listen: Listen::Unix(root.join("agent.sock")),
-            engine: EngineKind::Uring,
-            target: TargetConfig::Double {
-                root: shm.path().join("configfs"),
-            },
-            pools: vec![PoolConfig {
-                name: POOL.into(),
-                kind: PoolKind::PlainFile {
-                    dir: shm.path().join("pool"),
-                },
-            }],
-            settings: AgentSettings {
-                nvme_address: "127.0.0.1".parse()?,
-                kernel_random_identity: false,
-                unsafe_revoke_acl_only: false,
-                hooks: pillar_agent::Hooks::default(),
-            },
-            tls: None,
-            insecure_plaintext: true,
-            metrics_listen: None,
-            command_timeout: Duration::from_secs(30),
-        };
+        let config = server_config(
+            EngineKind::Uring,
+            root.join("state"),
+            root.join("agent.sock"),
+            shm.path().join("configfs"),
+            shm.path().join("pool"),
+        )?;
         let metrics = Arc::new(Metrics::new());
         let agent = build_agent(&config, &metrics).await?;
         let socket = root.join("agent.sock");
@@ -277,7 +260,25 @@ pub async fn serve_until_sigterm(
     configfs: PathBuf,
     pool: PathBuf,
 ) -> anyhow::Result<()> {
-    let config = ServerConfig {
+    let config = server_config(engine, state, socket, configfs, pool)?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let shutdown = async move {
+        term.recv().await;
+    };
+    pillar_agent::serve_with_limits(config, pillar_grpc_unix::Limits::default(), shutdown).await?;
+    Ok(())
+}
+
+/// A benchmark agent's configuration: `engine`, state in `state`, listening on the unix socket
+/// `socket`, the configfs double at `configfs`, a plain-file pool in `pool`, no TLS.
+fn server_config(
+    engine: EngineKind,
+    state: PathBuf,
+    socket: PathBuf,
+    configfs: PathBuf,
+    pool: PathBuf,
+) -> anyhow::Result<ServerConfig> {
+    Ok(ServerConfig {
         state_dir: state,
         listen: Listen::Unix(socket),
         engine,
@@ -296,13 +297,7 @@ pub async fn serve_until_sigterm(
         insecure_plaintext: true,
         metrics_listen: None,
         command_timeout: Duration::from_secs(30),
-    };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let shutdown = async move {
-        term.recv().await;
-    };
-    pillar_agent::serve_with_limits(config, pillar_grpc_unix::Limits::default(), shutdown).await?;
-    Ok(())
+    })
 }
 
 /// The pool the benchmark agents serve.
