@@ -88,7 +88,7 @@ impl fmt::Debug for Op {
             Self::Write { path, value } => {
                 let mut d = f.debug_struct("Write");
                 d.field("path", path);
-                if crate::auth::is_secret_attribute(path) && !value.is_empty() {
+                if crate::model::is_secret_attribute(path) && !value.is_empty() {
                     d.field("value", &format_args!("<redacted>"));
                 } else {
                     d.field("value", value);
@@ -111,7 +111,7 @@ impl fmt::Display for Op {
         match self {
             Self::Mkdir { path } => write!(f, "mkdir {}", path.display()),
             Self::Write { path, value }
-                if crate::auth::is_secret_attribute(path) && !value.is_empty() =>
+                if crate::model::is_secret_attribute(path) && !value.is_empty() =>
             {
                 write!(f, "write {}=<redacted>", path.display())
             }
