@@ -86,6 +86,9 @@ const STATIC_TABLE: [(&str, &str); 61] = [
     ("www-authenticate", ""),
 ];
 
+/// The room for a decoded string a connection keeps between header blocks.
+const KEPT_STRING_ROOM: usize = 1024;
+
 /// RFC 7541 4.1: an entry's size counts 32 bytes beside its name and value.
 const ENTRY_OVERHEAD: usize = 32;
 
@@ -174,6 +177,22 @@ impl Decoder {
     /// Decodes `block`, handing each field to `field` in order; stops at the first error, or
     /// when `field` answers `Err` (then [`DecodeError::Stopped`]).
     pub fn decode<E>(
+        &mut self,
+        block: &[u8],
+        field: impl FnMut(&[u8], &[u8]) -> Result<(), E>,
+    ) -> Result<(), DecodeError<E>> {
+        let result = self.decode_fields(block, field);
+        // A connection keeps no more than a small string's room between blocks: thousands of
+        // idle connections must not each hold the largest string one block once needed.
+        for buf in [&mut self.name_buf, &mut self.value_buf] {
+            if buf.capacity() > KEPT_STRING_ROOM {
+                *buf = Vec::new();
+            }
+        }
+        result
+    }
+
+    fn decode_fields<E>(
         &mut self,
         block: &[u8],
         mut field: impl FnMut(&[u8], &[u8]) -> Result<(), E>,

@@ -17,7 +17,9 @@
 //!   closed, never passed on half rewritten.
 //!
 //! Bounds: per connection this holds at most one header frame ([`MAX_FRAME`] bytes), one
-//! encoded block ([`MAX_BLOCK`]), the HPACK table (4 KiB) and the output waiting to be read,
+//! encoded block ([`MAX_BLOCK`]), the HPACK table (4 KiB), the room to decode a Huffman-coded
+//! name and value (each at most 8/5 of the block's bytes while it is decoded, at most 1 KiB
+//! kept between blocks, the `hpack` module) and the output waiting to be read,
 //! which [`Rewriter::feed`] stops adding to at [`OUT_HIGH_WATER`] (plus at most one frame or one
 //! rewritten block). The decoded size is what a header block can expand to, by 1-byte references
 //! to a 4 KiB table entry (4,000x): it is counted while decoding without copying the referenced
