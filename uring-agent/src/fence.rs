@@ -108,6 +108,43 @@ pub fn decide(
     token: Option<&Token>,
     intent: Intent,
 ) -> Result<Decision, Rejection> {
+    let decision = decide_next(volume, mark, token, intent);
+    if let Ok(Some(next)) = &decision {
+        debug_assert!(
+            follows(mark, next),
+            "{volume}: mark {next:?} does not follow {mark:?}"
+        );
+    }
+    decision
+}
+
+/// Whether `next` may replace `prev` (F4, F6): the same lifecycle's generation never goes down
+/// and its end is never undone; another lifecycle takes over only an ended one, retiring it;
+/// retired lifecycles stay retired and never own the mark again.
+pub(crate) fn follows(prev: Option<&Mark>, next: &Mark) -> bool {
+    if next.retired_uids.contains(&next.owner_uid) {
+        return false;
+    }
+    let Some(prev) = prev else {
+        return true;
+    };
+    let keeps_retired = prev
+        .retired_uids
+        .iter()
+        .all(|uid| next.retired_uids.contains(uid));
+    if next.owner_uid == prev.owner_uid {
+        keeps_retired && next.generation >= prev.generation && (next.ended || !prev.ended)
+    } else {
+        keeps_retired && prev.ended && next.retired_uids.contains(&prev.owner_uid)
+    }
+}
+
+fn decide_next(
+    volume: &VolumeId,
+    mark: Option<&Mark>,
+    token: Option<&Token>,
+    intent: Intent,
+) -> Result<Decision, Rejection> {
     let token = match token {
         Some(t) if !t.uid.is_empty() => t,
         _ => return Err(Rejection::NoToken),
@@ -462,6 +499,57 @@ mod tests {
     }
 
     // proves F8
+    // proves F4, F6: the assertion `decide` makes of its own answers holds for every answer it
+    // gives, and refuses each way a successor could go wrong
+    #[test]
+    fn every_decided_mark_follows_the_one_it_replaces() {
+        let marks = [
+            None,
+            Some(mark("a", 3, false, &[])),
+            Some(mark("a", 3, true, &["z"])),
+            Some(mark("b", 1, false, &["a"])),
+        ];
+        let intents = [
+            Intent::Create,
+            Intent::Expand,
+            Intent::Export,
+            Intent::Grant,
+            Intent::Resync,
+            Intent::Revoke,
+            Intent::Unexport,
+            Intent::Delete,
+        ];
+        let mut decided = 0;
+        for prev in &marks {
+            for uid in ["a", "b", "c", "z"] {
+                for generation in [0, 2, 3, 4] {
+                    for intent in intents {
+                        let token = tok(uid, generation);
+                        if let Ok(Some(next)) = decide(&vol(), prev.as_ref(), Some(&token), intent) {
+                            assert!(follows(prev.as_ref(), &next), "{prev:?} -> {next:?}");
+                            decided += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(decided > 20, "{decided}");
+        let prev = mark("a", 3, true, &["z"]);
+        for bad in [
+            mark("a", 2, true, &["z"]),       // generation down
+            mark("a", 3, false, &["z"]),      // an end undone
+            mark("a", 3, true, &[]),          // a retired lifecycle forgotten
+            mark("z", 9, false, &["z", "a"]), // a retired lifecycle owns again
+            mark("b", 1, false, &["z"]),      // a takeover that does not retire the owner
+        ] {
+            assert!(!follows(Some(&prev), &bad), "{bad:?}");
+        }
+        assert!(!follows(
+            Some(&mark("a", 3, false, &[])),
+            &mark("b", 1, false, &["a"])
+        ));
+    }
+
     #[test]
     fn a_damaged_mark_never_decodes() {
         let m = mark("a", 5, false, &["z"]);

@@ -39,6 +39,7 @@ impl Agent {
         token: Option<&Token>,
         intent: Intent,
     ) -> Result<Decision, AgentError> {
+        self.debug_assert_locked(marks, volume);
         let mark = marks.read(volume)?;
         if mark.is_none() {
             // C6: no mark may be a lost mark.
@@ -67,6 +68,7 @@ impl Agent {
             .hooks
             .pass(HookPoint::BetweenCheckAndCommit)
             .await;
+        self.debug_assert_locked(marks, volume);
         if let Some(next) = decision {
             if self.settings.hooks.fails(HookPoint::MarkWrite) {
                 return Err(MarkError::Write {
@@ -83,6 +85,18 @@ impl Agent {
             }
         }
         Ok(())
+    }
+
+    /// A check and its commit are one step only under the lock of what `marks` fences (a
+    /// volume's or a snapshot's): asserted, in debug builds, where a caller that forgot it would
+    /// let two requests decide from the same mark.
+    fn debug_assert_locked(&self, marks: &MarkStore, id: &VolumeId) {
+        let locks = if std::ptr::eq(marks, &self.marks) {
+            &self.locks
+        } else {
+            &self.snapshot_locks
+        };
+        debug_assert!(locks.is_held(id), "{id}: fencing mark used without its lock");
     }
 
     /// [`check`](Self::check) then [`commit`](Self::commit), for operations with nothing to
