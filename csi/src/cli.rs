@@ -90,6 +90,9 @@ pub struct ControllerArgs {
     /// Bounds of the CSI gRPC server.
     #[command(flatten)]
     pub grpc: pillar_grpc_unix::Limits,
+    /// The credentials endpoint (a node's DH-HMAC-CHAP pair to that node).
+    #[command(flatten)]
+    pub credentials: crate::credentials_delivery::server::EndpointArgs,
 }
 
 /// The node plugin's flags.
@@ -122,6 +125,9 @@ pub struct NodeArgs {
     /// Bounds of the CSI gRPC server.
     #[command(flatten)]
     pub grpc: pillar_grpc_unix::Limits,
+    /// The controller's credentials endpoint, for stages that need this node's pair.
+    #[command(flatten)]
+    pub credentials: crate::credentials_delivery::client::ClientArgs,
 }
 
 pub fn parse_segment(raw: &str) -> Result<(String, String), String> {

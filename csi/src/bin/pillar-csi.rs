@@ -37,7 +37,7 @@ async fn main() -> anyhow::Result<()> {
 /// One rotation of a node's pair with the controller's store and agent reach; fails when a
 /// storage node kept the old pair (it takes the new one at its next resync).
 async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
-    let (store, _) = store_and_leader(&args.controller).await?;
+    let (store, _, _) = store_and_leader(&args.controller).await?;
     let c = args.controller;
     let tls = c
         .agent_client_cert
@@ -62,7 +62,8 @@ async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
 }
 
 async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
-    let (store, leader) = store_and_leader(&args).await?;
+    let (store, leader, client) = store_and_leader(&args).await?;
+    let credentials = credentials_endpoint(&args, &store, client).await?;
     let tls = args
         .agent_client_cert
         .zip(args.agent_client_key)
@@ -73,6 +74,7 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
     )
     .resync_every(Duration::from_secs(args.resync_interval_secs), leader)
     .metrics_at(args.metrics_listen)
+    .credentials_endpoint(credentials)
     .build()
     .await?
     .serve(
@@ -84,9 +86,39 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
     .context("controller")
 }
 
-/// The store the flags name, and who runs the background loops: the embedded store is one
-/// process; with Kubernetes, the holder of the Lease (or every replica, without election).
-async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn StateStore>, Leader)> {
+/// The credentials endpoint the flags ask for, bound (Kubernetes store only: the node's token
+/// is reviewed by the API server).
+async fn credentials_endpoint(
+    args: &ControllerArgs,
+    store: &Arc<dyn StateStore>,
+    client: Option<kube::Client>,
+) -> anyhow::Result<Option<pillar_csi::credentials_delivery::server::Bound>> {
+    if args.credentials.credentials_listen.is_none() {
+        return Ok(None);
+    }
+    let Some(client) = client else {
+        anyhow::bail!(
+            "--credentials-listen needs the Kubernetes store (the API server reviews the nodes' \
+             tokens); with the embedded store NodeStageVolume carries the node's secrets"
+        );
+    };
+    let delivery = pillar_csi::credentials_delivery::Delivery::new(
+        Arc::clone(store),
+        client,
+        &args.credentials_namespace,
+    );
+    match args.credentials.endpoint(delivery)? {
+        Some(endpoint) => Ok(Some(endpoint.bind().await?)),
+        None => Ok(None),
+    }
+}
+
+/// The store the flags name, who runs the background loops (the embedded store is one
+/// process; with Kubernetes, the holder of the Lease, or every replica without election), and
+/// the Kubernetes client where there is one.
+async fn store_and_leader(
+    args: &ControllerArgs,
+) -> anyhow::Result<(Arc<dyn StateStore>, Leader, Option<kube::Client>)> {
     // The pod's name (deploy/base/controller.yaml sets POD_NAME) names this replica in its
     // Events and as the Lease holder. Without one the controller refuses to start with the
     // Kubernetes store (an empty holder would be every nameless replica's own Lease, and an
@@ -100,7 +132,7 @@ async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn Stat
         let store = pillar_state::EmbeddedStore::open(dir)
             .await
             .context("opening the embedded store")?;
-        return Ok((Arc::new(store), Leader::Sole));
+        return Ok((Arc::new(store), Leader::Sole, None));
     }
     if instance.is_empty() {
         anyhow::bail!(
@@ -126,10 +158,10 @@ async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn Stat
     } else {
         Leader::Sole
     };
-    let store = pillar_state::KubeStore::new(client)
+    let store = pillar_state::KubeStore::new(client.clone())
         .with_reporting_instance(&instance)
         .with_credentials_namespace(&args.credentials_namespace);
-    Ok((Arc::new(store), leader))
+    Ok((Arc::new(store), leader, Some(client)))
 }
 
 async fn node(args: NodeArgs) -> anyhow::Result<()> {
@@ -159,6 +191,7 @@ async fn node(args: NodeArgs) -> anyhow::Result<()> {
         topology: args.topology.into_iter().collect(),
     })
     .context("node plugin")?
+    .credentials_delivery(args.credentials.client())
     .serve(
         &socket_path(&args.endpoint),
         args.grpc,
