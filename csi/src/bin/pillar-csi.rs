@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use pillar_csi::agents::ControllerTls;
-use pillar_csi::cli::{Args, ControllerArgs, Mode, NodeArgs, RotateArgs};
+use pillar_csi::cli::{Args, CheckArgs, ControllerArgs, Mode, NodeArgs, RotateArgs};
 use pillar_csi::node::{AttachMode, NodeConfig};
 use pillar_csi::root::{AgentReach, ControllerBuilder, Leader, WiredNode};
 use pillar_csi::serve::socket_path;
@@ -31,6 +31,30 @@ async fn main() -> anyhow::Result<()> {
         Mode::Controller(args) => controller(args).await,
         Mode::Node(args) => node(args).await,
         Mode::RotateNodeCredentials(args) => rotate(args).await,
+        Mode::CheckNodeCredentials(args) => check(args).await,
+    }
+}
+
+/// One request for this node's pair, as a stage makes it; the secrets are never shown.
+async fn check(args: CheckArgs) -> anyhow::Result<()> {
+    let client = args
+        .credentials
+        .client()
+        .context("--credentials-endpoint (or PILLAR_CREDENTIALS_ENDPOINT) is required")?;
+    let host_nqn = read_trimmed(&args.hostnqn_file)?
+        .parse()
+        .context("host NQN")?;
+    let volume = pillar_nvmet::VolumeId::parse("check-node-credentials").context("volume ID")?;
+    match client.fetch(&args.node_name, &host_nqn, &volume).await {
+        Ok(_) => {
+            tracing::info!(node = %args.node_name, %host_nqn, endpoint = %client.endpoint, "delivered: the controller answered this node's DH-HMAC-CHAP pair");
+            Ok(())
+        }
+        Err(e) => Err(anyhow::anyhow!(
+            "not delivered ({:?} at a stage): {}",
+            e.code(),
+            pillar_csi::error_chain(&e)
+        )),
     }
 }
 
