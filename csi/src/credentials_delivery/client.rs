@@ -125,16 +125,17 @@ impl FetchError {
     pub fn code(&self) -> tonic::Code {
         use tonic::Code;
         match self {
-            Self::Connect { .. } => Code::Unavailable,
-            Self::Refused { code, .. } => match code {
-                Code::Unavailable
-                | Code::DeadlineExceeded
-                | Code::ResourceExhausted
-                | Code::Cancelled
-                | Code::Aborted
-                | Code::Unknown => Code::Unavailable,
-                _ => Code::FailedPrecondition,
-            },
+            Self::Connect { .. }
+            | Self::Refused {
+                code:
+                    Code::Unavailable
+                    | Code::DeadlineExceeded
+                    | Code::ResourceExhausted
+                    | Code::Cancelled
+                    | Code::Aborted
+                    | Code::Unknown,
+                ..
+            } => Code::Unavailable,
             _ => Code::FailedPrecondition,
         }
     }
@@ -290,7 +291,7 @@ pub async fn stage_secrets(
         .map_err(|source| NodeError::CredentialsNotDelivered {
             volume: volume.to_string(),
             key: context::SECRET_DHCHAP,
-            source,
+            source: Box::new(source),
         })?;
     tracing::info!(endpoint = %client.endpoint, "this node's DH-HMAC-CHAP pair was delivered by the controller");
     secrets.insert(context::SECRET_DHCHAP.to_owned(), delivered.secret);

@@ -60,7 +60,7 @@ pub enum NodeError {
         volume: String,
         key: &'static str,
         #[source]
-        source: crate::credentials_delivery::client::FetchError,
+        source: Box<crate::credentials_delivery::client::FetchError>,
     },
     #[error("NodeStageVolume secret {key:?} is not a DH-HMAC-CHAP secret: {reason}")]
     InvalidSecret { key: &'static str, reason: String },
