@@ -18,6 +18,8 @@
 //! are all the bounds of a server, and the tonic server that applies them.
 
 mod fixed;
+mod hpack;
+mod huffman;
 mod incoming;
 mod limits;
 pub mod rewrite;

@@ -17,7 +17,9 @@
 //!   closed, never passed on half rewritten.
 //!
 //! Bounds: per connection this holds at most one header frame ([`MAX_FRAME`] bytes), one
-//! encoded block ([`MAX_BLOCK`]), the HPACK table (4 KiB) and the output waiting to be read,
+//! encoded block ([`MAX_BLOCK`]), the HPACK table (4 KiB), the room to decode a Huffman-coded
+//! name and value (each at most 8/5 of the block's bytes while it is decoded, at most 1 KiB
+//! kept between blocks, the `hpack` module) and the output waiting to be read,
 //! which [`Rewriter::feed`] stops adding to at [`OUT_HIGH_WATER`] (plus at most one frame or one
 //! rewritten block). The decoded size is what a header block can expand to, by 1-byte references
 //! to a 4 KiB table entry (4,000x): it is counted while decoding without copying the referenced
@@ -28,6 +30,8 @@
 //! number of fields (at most 512: 32 bytes each at least).
 
 use std::collections::VecDeque;
+
+use crate::hpack::DecodeError;
 
 /// The HTTP/2 client connection preface.
 const PREFACE_LEN: usize = 24;
@@ -119,7 +123,7 @@ pub struct Rewriter {
     /// A frame header, and for header frames their payload, being gathered.
     frame: Vec<u8>,
     block: Option<OpenBlock>,
-    decoder: loona_hpack::Decoder<'static>,
+    decoder: crate::hpack::Decoder,
     out: VecDeque<u8>,
     replaced: u64,
     /// The highest stream whose header block was passed on (a GOAWAY's last stream).
@@ -146,14 +150,12 @@ impl Default for Rewriter {
 impl Rewriter {
     /// A rewriter at the start of a connection.
     pub fn new() -> Self {
-        let mut decoder = loona_hpack::Decoder::new();
-        decoder.set_max_allowed_table_size(TABLE_SIZE);
         Self {
             preface_left: PREFACE_LEN,
             passthrough_left: 0,
             frame: Vec::with_capacity(FRAME_HEADER),
             block: None,
-            decoder,
+            decoder: crate::hpack::Decoder::new(TABLE_SIZE),
             out: VecDeque::new(),
             replaced: 0,
             last_stream: 0,
@@ -314,41 +316,36 @@ impl Rewriter {
     /// Decodes a complete block and emits it re-encoded, split into frames the server accepts.
     ///
     /// Fields are re-encoded as they are decoded, while the decoded size stays within
-    /// [`MAX_HEADER_LIST_SIZE`]; past it the rest is only counted (a reference into the table is
-    /// borrowed, not copied), so a refused block costs no more than the bound.
+    /// [`MAX_HEADER_LIST_SIZE`]; the first field past it stops the block (a reference into the
+    /// table is borrowed, not copied), so a refused block costs no more than the bound.
     fn finish(&mut self, open: OpenBlock) -> Result<(), RewriteError> {
-        size_updates_first(&open.fragment).map_err(|reason| RewriteError::Hpack {
-            stream: open.stream,
-            reason: reason.to_owned(),
-        })?;
         let mut block = Vec::with_capacity(open.fragment.len().min(MAX_HEADER_LIST_SIZE) + 16);
         let mut size = 0_usize;
         let mut replaced = 0;
         self.decoder
-            .decode_with_cb(&open.fragment, |name, value| {
-                if size > MAX_HEADER_LIST_SIZE {
-                    return;
-                }
-                let value: &[u8] = if *name == *b":authority" && !valid_authority(&value) {
+            .decode(&open.fragment, |name, value| {
+                let value: &[u8] = if name == b":authority" && !valid_authority(value) {
                     replaced += 1;
                     REPLACEMENT.as_bytes()
                 } else {
-                    &value
+                    value
                 };
                 size = size.saturating_add(name.len() + value.len() + 32);
-                if size <= MAX_HEADER_LIST_SIZE {
-                    encode_never_indexed(&mut block, &name, value);
+                if size > MAX_HEADER_LIST_SIZE {
+                    return Err(());
                 }
+                encode_never_indexed(&mut block, name, value);
+                Ok(())
             })
-            .map_err(|e| RewriteError::Hpack {
-                stream: open.stream,
-                reason: format!("{e:?}"),
+            .map_err(|e| match e {
+                DecodeError::Stopped(()) => RewriteError::HeaderListTooLarge {
+                    stream: open.stream,
+                },
+                DecodeError::Malformed(e) => RewriteError::Hpack {
+                    stream: open.stream,
+                    reason: e.to_string(),
+                },
             })?;
-        if size > MAX_HEADER_LIST_SIZE {
-            return Err(RewriteError::HeaderListTooLarge {
-                stream: open.stream,
-            });
-        }
         self.replaced += replaced;
         self.last_stream = self.last_stream.max(open.stream);
         // The first frame carries the priority fields, if any, before its part of the block.
@@ -388,67 +385,6 @@ impl Rewriter {
     }
 }
 
-/// RFC 7541 4.2: a dynamic table size update only at the beginning of a block. The decoder
-/// used here takes one anywhere (the server's refuses it), so the block's representations are
-/// walked first: their kinds and lengths only, nothing decoded. A block this cannot walk is
-/// left to the decoder to refuse.
-fn size_updates_first(block: &[u8]) -> Result<(), &'static str> {
-    let mut rest = block;
-    let mut fields = false;
-    while let Some(&first) = rest.first() {
-        let (prefix, strings) = match first {
-            0x80.. => (7, 0),      // indexed field
-            0x40..=0x7f => (6, 2), // literal with incremental indexing
-            0x20..=0x3f if fields => return Err("dynamic table size update after a field"),
-            0x20..=0x3f => (5, 0), // dynamic table size update
-            _ => (4, 2),           // literal without indexing, never indexed
-        };
-        let Some((index, used)) = decode_integer(rest, prefix) else {
-            return Ok(());
-        };
-        rest = &rest[used..];
-        fields |= first & 0xe0 != 0x20;
-        // A literal names its field by index, or by a string when the index is 0.
-        let strings = if strings == 2 && index != 0 {
-            1
-        } else {
-            strings
-        };
-        for _ in 0..strings {
-            let Some((len, used)) = decode_integer(rest, 7) else {
-                return Ok(());
-            };
-            let Some(after) = used.checked_add(len).and_then(|end| rest.get(end..)) else {
-                return Ok(());
-            };
-            rest = after;
-        }
-    }
-    Ok(())
-}
-
-/// RFC 7541 5.1: an integer with a `prefix_bits`-bit prefix at the start of `bytes`; (value,
-/// bytes used), or None where truncated or beyond `usize`.
-fn decode_integer(bytes: &[u8], prefix_bits: u32) -> Option<(usize, usize)> {
-    let max = (1_usize << prefix_bits) - 1;
-    let mut value = usize::from(*bytes.first()?) & max;
-    if value < max {
-        return Some((value, 1));
-    }
-    for (i, &byte) in bytes.iter().enumerate().skip(1) {
-        let shift = u32::try_from(7 * (i - 1)).ok()?;
-        let part = usize::from(byte & 0x7f).checked_shl(shift)?;
-        if shift >= usize::BITS || part >> shift != usize::from(byte & 0x7f) {
-            return None;
-        }
-        value = value.checked_add(part)?;
-        if byte & 0x80 == 0 {
-            return Some((value, i + 1));
-        }
-    }
-    None
-}
-
 fn payload_len(frame: &[u8]) -> usize {
     usize::from(frame[0]) << 16 | usize::from(frame[1]) << 8 | usize::from(frame[2])
 }
@@ -475,7 +411,7 @@ fn encode_string(out: &mut Vec<u8>, s: &[u8]) {
 }
 
 /// RFC 7541 5.1: an integer with an `prefix_bits`-bit prefix, `first` holding the high bits.
-fn encode_integer(out: &mut Vec<u8>, first: u8, prefix_bits: u32, mut value: usize) {
+pub(crate) fn encode_integer(out: &mut Vec<u8>, first: u8, prefix_bits: u32, mut value: usize) {
     let max = (1usize << prefix_bits) - 1;
     if value < max {
         out.push(first | u8::try_from(value).expect("below the prefix maximum"));

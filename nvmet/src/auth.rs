@@ -24,20 +24,7 @@ use crate::model::{HOSTS, ObserveError, read_attr};
 use crate::names::HostNqn;
 use crate::plan::Op;
 
-/// Host-entry attribute: the secret the host proves.
-pub const DHCHAP_KEY: &str = "dhchap_key";
-/// Host-entry attribute: the secret the target proves (bidirectional authentication).
-pub const DHCHAP_CTRL_KEY: &str = "dhchap_ctrl_key";
-/// Host-entry attribute: the HMAC, `hmac(sha256)`, `hmac(sha384)` or `hmac(sha512)`.
-pub const DHCHAP_HASH: &str = "dhchap_hash";
-/// Host-entry attribute: the Diffie-Hellman group, `null` or `ffdhe2048` ... `ffdhe8192`.
-pub const DHCHAP_DHGROUP: &str = "dhchap_dhgroup";
-
-/// Whether a write to `path` carries a secret (a host entry's key attributes).
-pub fn is_secret_attribute(path: &Path) -> bool {
-    path.file_name()
-        .is_some_and(|n| n == DHCHAP_KEY || n == DHCHAP_CTRL_KEY)
-}
+pub use crate::model::{DHCHAP_CTRL_KEY, DHCHAP_DHGROUP, DHCHAP_HASH, DHCHAP_KEY};
 
 /// Why a secret or an authentication setting was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -146,44 +146,7 @@ pub fn verify(observed: &TargetState, spec: &ExportSpec) -> Result<(), VerifyErr
         sub.serial.clone(),
     );
     diff_access(sub, &spec.access, &mut diff);
-    for (nsid, want) in &spec.namespaces {
-        let Some(ns) = sub.namespaces.get(nsid) else {
-            diff(
-                format!("namespace {nsid}"),
-                "present".into(),
-                "absent".into(),
-            );
-            continue;
-        };
-        let show = |o: Option<String>| o.unwrap_or_else(|| "unset".into());
-        diff(
-            format!("namespace {nsid} device_path"),
-            want.device_path.display().to_string(),
-            show(ns.device_path.as_ref().map(|p| p.display().to_string())),
-        );
-        diff(
-            format!("namespace {nsid} device_uuid"),
-            want.identity.uuid.to_string(),
-            show(ns.uuid.map(|u| u.to_string())),
-        );
-        diff(
-            format!("namespace {nsid} device_nguid"),
-            want.identity.nguid.to_string(),
-            show(ns.nguid.map(|u| u.to_string())),
-        );
-        diff(
-            format!("namespace {nsid} enable"),
-            u8::from(spec.access.admits_a_host()).to_string(),
-            u8::from(ns.enabled).to_string(),
-        );
-    }
-    let extra: Vec<String> = sub
-        .namespaces
-        .keys()
-        .filter(|n| !spec.namespaces.contains_key(n))
-        .map(ToString::to_string)
-        .collect();
-    diff("extra namespaces".into(), String::new(), extra.join(","));
+    diff_namespaces(sub, spec, &mut diff);
     diff_ports(observed, nqn, &spec.ports, &mut diff);
     let stray: Vec<String> = observed
         .ports_linking(nqn)
@@ -269,6 +232,53 @@ pub fn verify_links(
             mismatches: out,
         })
     }
+}
+
+/// Each namespace of `spec` against `sub`: present, device path, identity, and enabled exactly
+/// while the ACL admits a host; and no namespace `spec` does not name.
+fn diff_namespaces(
+    sub: &SubsystemState,
+    spec: &ExportSpec,
+    diff: &mut dyn FnMut(String, String, String),
+) {
+    for (nsid, want) in &spec.namespaces {
+        let Some(ns) = sub.namespaces.get(nsid) else {
+            diff(
+                format!("namespace {nsid}"),
+                "present".into(),
+                "absent".into(),
+            );
+            continue;
+        };
+        let show = |o: Option<String>| o.unwrap_or_else(|| "unset".into());
+        diff(
+            format!("namespace {nsid} device_path"),
+            want.device_path.display().to_string(),
+            show(ns.device_path.as_ref().map(|p| p.display().to_string())),
+        );
+        diff(
+            format!("namespace {nsid} device_uuid"),
+            want.identity.uuid.to_string(),
+            show(ns.uuid.map(|u| u.to_string())),
+        );
+        diff(
+            format!("namespace {nsid} device_nguid"),
+            want.identity.nguid.to_string(),
+            show(ns.nguid.map(|u| u.to_string())),
+        );
+        diff(
+            format!("namespace {nsid} enable"),
+            u8::from(spec.access.admits_a_host()).to_string(),
+            u8::from(ns.enabled).to_string(),
+        );
+    }
+    let extra: Vec<String> = sub
+        .namespaces
+        .keys()
+        .filter(|n| !spec.namespaces.contains_key(n))
+        .map(ToString::to_string)
+        .collect();
+    diff("extra namespaces".into(), String::new(), extra.join(","));
 }
 
 fn diff_ports(

@@ -23,6 +23,25 @@ pub const SUBSYSTEMS: &str = "subsystems";
 pub const PORTS: &str = "ports";
 pub const HOSTS: &str = "hosts";
 
+// A host entry's authentication attributes (W10; the rules on their values are `auth`'s).
+// Here, with the tree's layout, so that the operation type (`plan`) can keep their values out
+// of its `Debug` and `Display` without importing `auth`, which plans with operations.
+
+/// Host-entry attribute: the secret the host proves.
+pub const DHCHAP_KEY: &str = "dhchap_key";
+/// Host-entry attribute: the secret the target proves (bidirectional authentication).
+pub const DHCHAP_CTRL_KEY: &str = "dhchap_ctrl_key";
+/// Host-entry attribute: the HMAC, `hmac(sha256)`, `hmac(sha384)` or `hmac(sha512)`.
+pub const DHCHAP_HASH: &str = "dhchap_hash";
+/// Host-entry attribute: the Diffie-Hellman group, `null` or `ffdhe2048` ... `ffdhe8192`.
+pub const DHCHAP_DHGROUP: &str = "dhchap_dhgroup";
+
+/// Whether a write to `path` carries a secret (a host entry's key attributes).
+pub fn is_secret_attribute(path: &Path) -> bool {
+    path.file_name()
+        .is_some_and(|n| n == DHCHAP_KEY || n == DHCHAP_CTRL_KEY)
+}
+
 /// The NVMe-oF transport of a port. pillar only speaks TCP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Transport {

@@ -24,6 +24,10 @@
 //!   (probed, never guessed from a kernel version), never on an enabled namespace (W9, K6).
 //!
 //! Only subsystems with pillar's NQN prefix are ever planned for.
+//!
+//! `export` holds the plan of one export ([`plan_export`]), step by step; this file the
+//! operations, the ACL, link, cut, unexport, revalidate and release plans, and the steps
+//! they share with it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -31,10 +35,13 @@ use std::path::{Path, PathBuf};
 
 use crate::identity::NamespaceIdentity;
 use crate::model::{
-    ExportSpec, HOSTS, HostAccess, PORTS, PortSpec, PortState, SUBSYSTEMS, SubsystemState,
-    TargetState,
+    ExportSpec, HOSTS, HostAccess, PORTS, PortSpec, PortState, SUBSYSTEMS, TargetState,
 };
 use crate::names::{NamespaceId, PortId, SubsystemNqn};
+
+mod export;
+
+pub use export::plan_export;
 
 /// One primitive configfs operation. Paths are relative to the nvmet root. `Debug` and
 /// `Display` show no secret: a write to a host entry's key attribute prints `<redacted>`.
@@ -81,7 +88,7 @@ impl fmt::Debug for Op {
             Self::Write { path, value } => {
                 let mut d = f.debug_struct("Write");
                 d.field("path", path);
-                if crate::auth::is_secret_attribute(path) && !value.is_empty() {
+                if crate::model::is_secret_attribute(path) && !value.is_empty() {
                     d.field("value", &format_args!("<redacted>"));
                 } else {
                     d.field("value", value);
@@ -104,7 +111,7 @@ impl fmt::Display for Op {
         match self {
             Self::Mkdir { path } => write!(f, "mkdir {}", path.display()),
             Self::Write { path, value }
-                if crate::auth::is_secret_attribute(path) && !value.is_empty() =>
+                if crate::model::is_secret_attribute(path) && !value.is_empty() =>
             {
                 write!(f, "write {}=<redacted>", path.display())
             }
@@ -208,187 +215,6 @@ fn write(path: PathBuf, value: impl Into<String>) -> Op {
 
 fn describe_port(p: &PortState) -> String {
     format!("{}/{} {}:{}", p.trtype, p.adrfam, p.traddr, p.trsvcid)
-}
-
-/// Plans the changes that make `observed` hold `spec` (creating, repairing or updating it).
-pub fn plan_export(observed: &TargetState, spec: &ExportSpec) -> Result<ExportPlan, PlanError> {
-    let nqn = spec.nqn.as_str();
-    if !spec.nqn.is_pillar() {
-        return Err(PlanError::ForeignSubsystem {
-            nqn: nqn.to_owned(),
-        });
-    }
-    let mut ops = Vec::new();
-    let mut adoptions = Vec::new();
-    let mut replan_after = None;
-    let mut live_without_reservations = Vec::new();
-    let mut effective = spec.clone();
-    let sdir = subsys_dir(nqn);
-    let existing = observed.subsystem(&spec.nqn);
-    let empty = Default::default();
-    let current = existing.unwrap_or(&empty);
-    let linked_ports: BTreeSet<PortId> = observed.ports_linking(nqn).collect();
-
-    // 1. The subsystem and its serial, before any port link.
-    if existing.is_none() {
-        ops.push(Op::Mkdir { path: sdir.clone() });
-    }
-    if current.serial != spec.serial.as_str() {
-        if existing.is_some_and(|sub| serial_may_be_frozen(sub, &linked_ports)) {
-            adoptions.push(Adoption::Serial {
-                live: current.serial.clone(),
-                desired: spec.serial.to_string(),
-            });
-            effective.serial = crate::identity::Serial::parse(&current.serial)
-                .unwrap_or_else(|_| spec.serial.clone());
-        } else {
-            ops.push(write(sdir.join("attr_serial"), spec.serial.as_str()));
-        }
-    }
-
-    // 2. Namespaces: configure fully, then enable while some host is admitted; disable while
-    //    none is (W7). Never touch a live one's identity or device. Before the ACL changes, so
-    //    the first admitted host finds the namespace enabled when it connects.
-    let admitted = spec.access.admits_a_host();
-    for (nsid, want) in &spec.namespaces {
-        let dir = ns_dir(nqn, *nsid);
-        match current.namespaces.get(nsid) {
-            Some(live) if live.enabled => {
-                let live_path = live.device_path.clone().unwrap_or_default();
-                if live_path != want.device_path {
-                    return Err(PlanError::LiveDeviceConflict {
-                        nqn: nqn.to_owned(),
-                        nsid: *nsid,
-                        live: live_path.display().to_string(),
-                        desired: want.device_path.display().to_string(),
-                    });
-                }
-                // I4: whatever identity hosts see is kept, the kernel's random UUID with a
-                // zero NGUID included.
-                if let Some(live_id) = live.shown_identity().filter(|id| *id != want.identity) {
-                    adoptions.push(Adoption::Namespace {
-                        nsid: *nsid,
-                        live: live_id,
-                        desired: want.identity,
-                    });
-                    if let Some(ns) = effective.namespaces.get_mut(nsid) {
-                        ns.identity = live_id;
-                    }
-                }
-                if live.resv_enable == Some(false) {
-                    live_without_reservations.push(*nsid);
-                }
-                if !admitted {
-                    // The kernel returns from this write only when every command in flight
-                    // on the namespace has completed; identity and device stay configured.
-                    ops.push(write(dir.join("enable"), "0"));
-                }
-            }
-            found => {
-                // W9, K6, K21: reservations on where the kernel has them, before `enable`.
-                // `Some(true)`: write `resv_enable=1`; `Some(false)`: nothing to write (already
-                // on, or a kernel without it); `None`: a new namespace on a tree with nothing to
-                // probe, so the caller re-plans once the directory exists.
-                let resv = match found {
-                    Some(ns) => ns.resv_enable.map(|on| !on),
-                    None => observed.reservations(),
-                };
-                if found.is_none() {
-                    ops.push(Op::Mkdir { path: dir.clone() });
-                    if resv.is_none() && replan_after.is_none() {
-                        replan_after = Some(ops.len() - 1);
-                    }
-                }
-                let found = found.cloned().unwrap_or_default();
-                if found.device_path.as_deref() != Some(want.device_path.as_path()) {
-                    ops.push(write(
-                        dir.join("device_path"),
-                        want.device_path.display().to_string(),
-                    ));
-                }
-                if found.uuid != Some(want.identity.uuid) {
-                    ops.push(write(
-                        dir.join("device_uuid"),
-                        want.identity.uuid.hyphenated().to_string(),
-                    ));
-                }
-                if found.nguid != Some(want.identity.nguid) {
-                    ops.push(write(
-                        dir.join("device_nguid"),
-                        want.identity.nguid.to_string(),
-                    ));
-                }
-                if resv == Some(true) {
-                    ops.push(write(dir.join("resv_enable"), "1"));
-                }
-                if admitted {
-                    ops.push(write(dir.join("enable"), "1"));
-                }
-            }
-        }
-    }
-    for (nsid, live) in &current.namespaces {
-        if !spec.namespaces.contains_key(nsid) {
-            let dir = ns_dir(nqn, *nsid);
-            if live.enabled {
-                ops.push(write(dir.join("enable"), "0"));
-            }
-            ops.push(Op::Rmdir { path: dir });
-        }
-    }
-
-    // 3. Host access, in the order the kernel accepts.
-    let host_ops = plan_access(
-        observed,
-        nqn,
-        current.allow_any_host,
-        &current.allowed_hosts,
-        &spec.access,
-    );
-    ops.extend(host_ops);
-
-    // 4. Ports last: the subsystem becomes reachable only once fully configured.
-    for (port, want) in &spec.ports {
-        push_port_link(observed, nqn, *port, Some(want), &linked_ports, &mut ops)?;
-    }
-    for port in &linked_ports {
-        if !spec.ports.contains_key(port) {
-            ops.push(Op::Unlink {
-                path: port_dir(*port).join(SUBSYSTEMS).join(nqn),
-            });
-            push_port_cleanup(observed, *port, nqn, &mut ops);
-        }
-    }
-    push_host_cleanup(
-        observed,
-        nqn,
-        &current.allowed_hosts,
-        &spec.access,
-        &mut ops,
-    );
-    Ok(ExportPlan {
-        ops,
-        adoptions,
-        effective,
-        replan_after,
-        live_without_reservations,
-    })
-}
-
-/// Whether a host may have identified the subsystem `sub`, so that the kernel refuses a new
-/// serial (K: `attr_serial` after Identify is EINVAL, until the subsystem is removed). configfs
-/// shows neither the identification nor a port link that is gone: a subsystem linked once and
-/// unlinked since (an unexport interrupted after its first step, a cut whose link back failed)
-/// looks like one never linked. pillar writes the serial right after the subsystem's mkdir,
-/// before anything else, so only a subsystem as its mkdir left it (no namespace, no host, no
-/// `allow_any_host`, no port link: the state a crash between the mkdir and the serial write
-/// leaves) is certainly unseen; the serial of any other is kept (adopted, and recorded by the
-/// agent with the rest of the identity, I4).
-fn serial_may_be_frozen(sub: &SubsystemState, linked: &BTreeSet<PortId>) -> bool {
-    !linked.is_empty()
-        || sub.allow_any_host
-        || !sub.allowed_hosts.is_empty()
-        || !sub.namespaces.is_empty()
 }
 
 /// Links `nqn` to `port` unless `linked` holds it; with `want`, creates the port with its

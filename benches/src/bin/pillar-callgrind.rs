@@ -111,7 +111,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "planning (model view, plan, identity)",
         &[
-            "pillar_agent::service::Agent::plan_acl_change",
+            "pillar_agent::service::acl::<impl pillar_agent::service::Agent>::plan_acl_change",
             "pillar_nvmet::plan::plan_links",
             "pillar_nvmet::plan::plan_cut_connections",
             "pillar_nvmet::target_model::TargetModel::view_with_hosts",

@@ -372,25 +372,7 @@ impl Controller {
         publication: &PublishedNode,
     ) -> Result<(), ControllerError> {
         let (name, uid) = (&target.name, &target.uid);
-        // Publishes to this node get ABORTED from now on.
-        let (_, generation) = self
-            .compare_and_swap(name, uid, |current| {
-                let mut status = current.status_or_default();
-                let Some(p) = status
-                    .published_nodes
-                    .iter_mut()
-                    .find(|p| same_publication(p, publication))
-                else {
-                    return Ok((Write::Nothing, None));
-                };
-                p.revoking = true;
-                status.publication_generation += 1;
-                let generation = status.publication_generation;
-                set_revoking_condition(&mut status, current.metadata.generation);
-                Ok((Write::Status(status), Some(generation)))
-            })
-            .await?;
-        let Some(generation) = generation else {
+        let Some(generation) = self.mark_revoking(target, publication).await? else {
             tracing::info!(volume = %name, node = %publication.node, "publication already gone");
             return Ok(());
         };
@@ -431,8 +413,49 @@ impl Controller {
                 return Err(e);
             }
         }
-        // Confirmed: only now does the record go, and only this publication's. The last one
-        // going clears AclDisabled in the same write (W6, W7).
+        // Confirmed: only now does the record go, and only this publication's.
+        self.remove_publication(target, publication).await?;
+        tracing::info!(volume = %name, node = %publication.node, "unpublished");
+        Ok(())
+    }
+
+    /// Marks `publication` revoking, with a new publication generation (the revoke's token), in
+    /// one write: publishes to this node get ABORTED from then on. `None` when the record no
+    /// longer holds the publication read.
+    async fn mark_revoking(
+        &self,
+        target: &VolumeAgent,
+        publication: &PublishedNode,
+    ) -> Result<Option<u64>, ControllerError> {
+        let (name, uid) = (&target.name, &target.uid);
+        let (_, generation) = self
+            .compare_and_swap(name, uid, |current| {
+                let mut status = current.status_or_default();
+                let Some(p) = status
+                    .published_nodes
+                    .iter_mut()
+                    .find(|p| same_publication(p, publication))
+                else {
+                    return Ok((Write::Nothing, None));
+                };
+                p.revoking = true;
+                status.publication_generation += 1;
+                let generation = status.publication_generation;
+                set_revoking_condition(&mut status, current.metadata.generation);
+                Ok((Write::Status(status), Some(generation)))
+            })
+            .await?;
+        Ok(generation)
+    }
+
+    /// Removes `publication` from the record once the agent confirmed its revoke (W4), and
+    /// only it. The last one going clears AclDisabled in the same write (W6, W7).
+    async fn remove_publication(
+        &self,
+        target: &VolumeAgent,
+        publication: &PublishedNode,
+    ) -> Result<(), ControllerError> {
+        let (name, uid) = (&target.name, &target.uid);
         self.compare_and_swap(name, uid, |current| {
             let mut status = current.status_or_default();
             let before = status.published_nodes.len();
@@ -449,7 +472,6 @@ impl Controller {
             Ok((write, ()))
         })
         .await?;
-        tracing::info!(volume = %name, node = %publication.node, "unpublished");
         Ok(())
     }
 }

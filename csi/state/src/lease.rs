@@ -226,40 +226,65 @@ impl Elector {
         // What the answer shows was true when it arrived, not when it was asked for.
         let received = Instant::now();
         let now = MicroTime(Timestamp::now());
-        // Whole seconds in the record, rounded up: a standby reading it must never wait less
-        // than this replica's renew deadline.
-        let duration_secs = i32::try_from(self.settings.lease_duration.as_millis().div_ceil(1000))
-            .unwrap_or(i32::MAX)
-            .max(1);
         let Some(lease) = current else {
-            let lease = Lease {
-                metadata: ObjectMeta {
-                    name: Some(name.clone()),
-                    namespace: Some(self.settings.namespace.clone()),
-                    ..ObjectMeta::default()
-                },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some(self.settings.identity.clone()),
-                    lease_duration_seconds: Some(duration_secs),
-                    acquire_time: Some(now.clone()),
-                    renew_time: Some(now),
-                    lease_transitions: Some(0),
-                    ..LeaseSpec::default()
-                }),
-            };
-            return match self
-                .call(self.api.create(&PostParams::default(), &lease))
-                .await?
-            {
-                Ok(_) => {
-                    self.leadership.set_renewed(Some(sent));
-                    Ok(true)
-                }
-                // Another replica created it first: not ours this round.
-                Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-                Err(e) => Err(LeaseError::Create(name, e)),
-            };
+            return self.create_lease(name, now, sent).await;
         };
+        if self.held_by_another(&lease, received) {
+            self.leadership.set_renewed(None);
+            return Ok(false);
+        }
+        self.renew_or_take_over(name, lease, now, sent).await
+    }
+
+    /// The lease duration written in the record: whole seconds, rounded up, so a standby
+    /// reading it never waits less than this replica's renew deadline.
+    fn record_duration_secs(&self) -> i32 {
+        i32::try_from(self.settings.lease_duration.as_millis().div_ceil(1000))
+            .unwrap_or(i32::MAX)
+            .max(1)
+    }
+
+    /// No Lease yet: create it held by this replica. `Ok(false)` when another replica created
+    /// it first.
+    async fn create_lease(
+        &mut self,
+        name: String,
+        now: MicroTime,
+        sent: Instant,
+    ) -> Result<bool, LeaseError> {
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(self.settings.namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(self.settings.identity.clone()),
+                lease_duration_seconds: Some(self.record_duration_secs()),
+                acquire_time: Some(now.clone()),
+                renew_time: Some(now),
+                lease_transitions: Some(0),
+                ..LeaseSpec::default()
+            }),
+        };
+        match self
+            .call(self.api.create(&PostParams::default(), &lease))
+            .await?
+        {
+            Ok(_) => {
+                self.leadership.set_renewed(Some(sent));
+                Ok(true)
+            }
+            // Another replica created it first: not ours this round.
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+            Err(e) => Err(LeaseError::Create(name, e)),
+        }
+    }
+
+    /// Whether another replica holds `lease` and it has not expired. Expiry is measured on
+    /// this replica's clock from when it first received the record's current version, over the
+    /// holder's lease duration: never from the times written in the record.
+    fn held_by_another(&mut self, lease: &Lease, received: Instant) -> bool {
         let rv = lease.metadata.resource_version.clone().unwrap_or_default();
         if self.observed.as_ref().is_none_or(|(seen, _)| *seen != rv) {
             self.observed = Some((rv, received));
@@ -275,19 +300,27 @@ impl Elector {
             .observed
             .as_ref()
             .is_some_and(|(_, at)| at.elapsed() >= their_duration);
-        if !mine && !holder.is_empty() && !expired {
-            self.leadership.set_renewed(None);
-            return Ok(false);
-        }
-        let mut next = lease.clone();
-        let mut spec = spec;
+        !mine && !holder.is_empty() && !expired
+    }
+
+    /// Renews `lease` (this replica's), or takes it over (free or expired): a conditional
+    /// replace, so `Ok(false)` when someone else wrote the record since it was read.
+    async fn renew_or_take_over(
+        &mut self,
+        name: String,
+        mut next: Lease,
+        now: MicroTime,
+        sent: Instant,
+    ) -> Result<bool, LeaseError> {
+        let mut spec = next.spec.clone().unwrap_or_default();
+        let mine = spec.holder_identity.clone().unwrap_or_default() == self.settings.identity;
         if !mine {
             spec.acquire_time = Some(now.clone());
             spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0).saturating_add(1));
             spec.holder_identity = Some(self.settings.identity.clone());
         }
         spec.renew_time = Some(now);
-        spec.lease_duration_seconds = Some(duration_secs);
+        spec.lease_duration_seconds = Some(self.record_duration_secs());
         next.spec = Some(spec);
         match self
             .call(self.api.replace(&name, &PostParams::default(), &next))

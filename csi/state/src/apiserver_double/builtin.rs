@@ -222,35 +222,40 @@ fn is_qualified_name(s: &str) -> bool {
             .all(|c| alnum(c) || c == '-' || c == '_' || c == '.')
 }
 
-fn create_event(st: &mut State, ns: &str, body: Option<Value>) -> Answer {
-    let Some(Value::Object(mut obj)) = body else {
-        return bad_request("the body of the request was in an unknown format");
-    };
+/// An Event's apiVersion and kind are events.k8s.io/v1 Event, and its namespace (if set) the
+/// request's: 400 otherwise, as the server answers before validating fields.
+fn event_kind_and_namespace(obj: &Map<String, Value>, ns: &str) -> Result<(), Answer> {
     let api_version = obj
         .get("apiVersion")
         .and_then(Value::as_str)
         .unwrap_or_default();
     let kind = obj.get("kind").and_then(Value::as_str).unwrap_or_default();
     if api_version != EVENTS_API_VERSION || kind != "Event" {
-        return bad_request(&format!(
+        return Err(bad_request(&format!(
             "the object's apiVersion/kind {api_version}/{kind} does not match \
              {EVENTS_API_VERSION}/Event"
+        )));
+    }
+    if meta_str(obj, "namespace").is_some_and(|n| !n.is_empty() && n != ns) {
+        return Err(bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request",
         ));
     }
-    if meta_str(&obj, "namespace").is_some_and(|n| !n.is_empty() && n != ns) {
-        return bad_request(
-            "the namespace of the provided object does not match the namespace sent on the request",
-        );
-    }
-    let name = meta_str(&obj, "name").unwrap_or_default().to_owned();
+    Ok(())
+}
+
+/// The field errors of an Event named `name`, in the order they are checked (the answer names
+/// the first): name, eventTime, regarding's namespace, the reporting controller and instance,
+/// action, reason, note and type.
+fn event_errors(obj: &Map<String, Value>, ns: &str, name: &str) -> Vec<(&'static str, String)> {
     let field = |key: &str| obj.get(key).and_then(Value::as_str).unwrap_or_default();
-    let mut errors: Vec<(&str, String)> = Vec::new();
+    let mut errors: Vec<(&'static str, String)> = Vec::new();
     if name.is_empty() {
         errors.push((
             "metadata.name",
             "Required value: name or generateName is required".into(),
         ));
-    } else if crate::store::validate_name("Event", &name).is_err() {
+    } else if crate::store::validate_name("Event", name).is_err() {
         errors.push(("metadata.name", format!("Invalid value: \"{name}\"")));
     }
     if obj.get("eventTime").is_none_or(Value::is_null) {
@@ -300,6 +305,18 @@ fn create_event(st: &mut State, ns: &str, body: Option<Value>) -> Answer {
             format!("Unsupported value: \"{type_}\": supported values: \"Normal\", \"Warning\""),
         ));
     }
+    errors
+}
+
+fn create_event(st: &mut State, ns: &str, body: Option<Value>) -> Answer {
+    let Some(Value::Object(mut obj)) = body else {
+        return bad_request("the body of the request was in an unknown format");
+    };
+    if let Err(answer) = event_kind_and_namespace(&obj, ns) {
+        return answer;
+    }
+    let name = meta_str(&obj, "name").unwrap_or_default().to_owned();
+    let errors = event_errors(&obj, ns, &name);
     if let Some((f, detail)) = errors.first() {
         return failure_status(
             422,

@@ -174,6 +174,12 @@ fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<(String,
             ),
         ));
     }
+    validate_bounds(schema, value, path, errors);
+    validate_children(schema, value, path, errors);
+}
+
+/// `minimum` and `maximum` of a number.
+fn validate_bounds(schema: &Value, value: &Value, path: &str, errors: &mut Vec<(String, String)>) {
     if let Some(n) = value.as_f64() {
         if let Some(min) = schema.get("minimum").and_then(Value::as_f64)
             && n < min
@@ -194,6 +200,16 @@ fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<(String,
             ));
         }
     }
+}
+
+/// The properties of an object (by `properties`, else `additionalProperties`, and `required`)
+/// and the items of an array, each against its own schema.
+fn validate_children(
+    schema: &Value,
+    value: &Value,
+    path: &str,
+    errors: &mut Vec<(String, String)>,
+) {
     match value {
         Value::Object(map) => {
             let props = schema.get("properties").and_then(Value::as_object);

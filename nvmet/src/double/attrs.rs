@@ -1,0 +1,230 @@
+//! Attribute writes, each refused as the kernel's store function refuses it.
+//!
+//! Invariants:
+//! - `device_path`, `device_uuid`, `device_nguid` on an enabled namespace: EBUSY; `resv_enable`,
+//!   `buffered_io` on an enabled namespace: EINVAL; `enable` without a device: EINVAL (ENOENT
+//!   for a missing one); `revalidate_size` on a disabled namespace: EINVAL.
+//! - A port's `addr_*` while any subsystem is linked to it: EACCES.
+//! - `attr_allow_any_host=1` while hosts are linked, and `attr_serial` / `attr_model` after a
+//!   host identified the subsystem: EINVAL.
+//! - A host entry's `dhchap_*` attribute of a kernel without authentication does not exist
+//!   (ENOENT); a key must start `DHHC-1:<0-3>:` or be empty, a hash or group one the kernel
+//!   names (EINVAL otherwise).
+//! - An attribute the kernel does not have cannot be created (EACCES).
+
+use std::io;
+use std::path::Path;
+
+use super::parse::{first_line, first_token, kernel_nguid, kernel_uuid, kstrtobool, kstrtou};
+use super::place::{Place, classify};
+use super::{ConfigfsDouble, errno};
+use crate::model::SUBSYSTEMS;
+
+impl ConfigfsDouble {
+    pub(super) fn write(&self, rel: &Path, value: &str) -> io::Result<()> {
+        let path = self.at(rel)?;
+        if path.is_dir() {
+            return Err(errno(libc::EISDIR));
+        }
+        if matches!(classify(rel), Place::HostAttr(..)) && !path.is_file() {
+            // The attribute does not exist (a kernel without authentication): opening it for
+            // writing without O_CREAT fails.
+            return Err(errno(libc::ENOENT));
+        }
+        if !path.is_file() {
+            // configfs directories have no ->create: opening a new file fails.
+            return Err(if path.parent().is_some_and(Path::is_dir) {
+                errno(libc::EACCES)
+            } else {
+                errno(libc::ENOENT)
+            });
+        }
+        match classify(rel) {
+            Place::NamespaceAttr(_, _, attr) => self.write_namespace_attr(&path, attr, value),
+            Place::SubsystemAttr(nqn, attr) => self.write_subsystem_attr(&path, nqn, attr, value),
+            Place::HostAttr(_, attr) => self.write_host_attr(&path, attr, value),
+            Place::PortAttr(port, attr) => self.write_port_attr(&path, port, attr, value),
+            _ => Err(errno(libc::EACCES)),
+        }
+    }
+
+    /// A namespace's attribute; identity and device only while it is disabled.
+    fn write_namespace_attr(&self, path: &Path, attr: &str, value: &str) -> io::Result<()> {
+        let ns_dir = path.parent().ok_or_else(|| errno(libc::EINVAL))?;
+        let enabled = self.ns_enabled(ns_dir)?;
+        match attr {
+            "device_path" => {
+                if enabled {
+                    return Err(errno(libc::EBUSY));
+                }
+                let v = first_line(value);
+                if v.is_empty() {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, v)
+            }
+            "device_uuid" => {
+                if enabled {
+                    return Err(errno(libc::EBUSY));
+                }
+                self.set(path, &kernel_uuid(value)?)
+            }
+            "device_nguid" => {
+                if enabled {
+                    return Err(errno(libc::EBUSY));
+                }
+                self.set(path, &kernel_nguid(value)?)
+            }
+            "enable" => {
+                let on = kstrtobool(value)?;
+                if on && !enabled {
+                    let device = self.attr(&ns_dir.join("device_path"))?;
+                    if device.is_empty() || device == "(null)" {
+                        return Err(errno(libc::EINVAL));
+                    }
+                    if !Path::new(&device).exists() {
+                        return Err(errno(libc::ENOENT));
+                    }
+                }
+                self.set(path, if on { "1" } else { "0" })
+            }
+            "revalidate_size" => {
+                if !kstrtobool(value)? || !enabled {
+                    return Err(errno(libc::EINVAL));
+                }
+                Ok(())
+            }
+            "resv_enable" | "buffered_io" => {
+                let on = kstrtobool(value)?;
+                if enabled {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, if on { "1" } else { "0" })
+            }
+            "ana_grpid" => {
+                let g = kstrtou(value, u64::from(u32::MAX))?;
+                if !(1..=128).contains(&g) {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, &g.to_string())
+            }
+            _ => Err(errno(libc::EACCES)),
+        }
+    }
+
+    /// A subsystem's attribute; serial and model only until a host identified it.
+    fn write_subsystem_attr(
+        &self,
+        path: &Path,
+        nqn: &str,
+        attr: &str,
+        value: &str,
+    ) -> io::Result<()> {
+        match attr {
+            "attr_allow_any_host" => {
+                let on = kstrtobool(value)?;
+                let hosts_dir = self.root.join(SUBSYSTEMS).join(nqn).join("allowed_hosts");
+                if on && !Self::dir_entries(&hosts_dir)?.is_empty() {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, if on { "1" } else { "0" })
+            }
+            "attr_serial" => {
+                let v = first_line(value);
+                if self.discovered(nqn)
+                    || v.is_empty()
+                    || v.len() > 20
+                    || !v.bytes().all(|c| (0x20..=0x7e).contains(&c))
+                {
+                    return Err(errno(libc::EINVAL));
+                }
+                // The kernel pads the serial with spaces to the full 20 characters.
+                self.set(path, &format!("{v:<20}"))
+            }
+            "attr_model" => {
+                let v = first_line(value);
+                if self.discovered(nqn)
+                    || v.is_empty()
+                    || v.len() > 40
+                    || !v.bytes().all(|c| (0x20..=0x7e).contains(&c))
+                {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, v)
+            }
+            _ => Err(errno(libc::EACCES)),
+        }
+    }
+
+    /// A port's address attribute; only while no subsystem is linked to it.
+    fn write_port_attr(&self, path: &Path, port: &str, attr: &str, value: &str) -> io::Result<()> {
+        if self.port_linked(port)? {
+            return Err(errno(libc::EACCES));
+        }
+        let v = match attr {
+            "addr_trtype" => {
+                let v = first_line(value);
+                if !matches!(v, "rdma" | "fc" | "tcp" | "loop") {
+                    return Err(errno(libc::EINVAL));
+                }
+                v
+            }
+            "addr_adrfam" => {
+                let v = first_line(value);
+                if !matches!(v, "ipv4" | "ipv6" | "ib" | "fc" | "loop") {
+                    return Err(errno(libc::EINVAL));
+                }
+                v
+            }
+            "addr_traddr" | "addr_trsvcid" => {
+                let limit = if attr == "addr_traddr" { 256 } else { 32 };
+                let v = first_token(value);
+                if value.len() > limit || v.is_empty() {
+                    return Err(errno(libc::EINVAL));
+                }
+                v
+            }
+            _ => return Err(errno(libc::EACCES)),
+        };
+        self.set(path, v)
+    }
+
+    /// A host entry's authentication attribute, as `nvmet_auth_set_key`,
+    /// `nvmet_host_dhchap_hash_store` and `nvmet_host_dhchap_dhgroup_store` take it.
+    fn write_host_attr(&self, path: &Path, attr: &str, value: &str) -> io::Result<()> {
+        use crate::auth::{DHCHAP_CTRL_KEY, DHCHAP_DHGROUP, DHCHAP_HASH, DHCHAP_KEY};
+        let v = value.strip_suffix('\n').unwrap_or(value);
+        match attr {
+            DHCHAP_KEY | DHCHAP_CTRL_KEY => {
+                if v.is_empty() {
+                    return self.set(path, "");
+                }
+                // What the store checks on the lane's 7.2 (`s15_dhchap`): the prefix and a
+                // transform of 0-3 (`sscanf("DHHC-1:%hhd:%*s")`); the key itself (base64,
+                // length, CRC) only when a host authenticates, so a malformed one is taken here
+                // and fails every connect (`host_connects_with_secret`).
+                let rest = v
+                    .strip_prefix("DHHC-1:")
+                    .ok_or_else(|| errno(libc::EINVAL))?;
+                let (hh, body) = rest.split_once(':').ok_or_else(|| errno(libc::EINVAL))?;
+                let transform: u8 = hh.parse().map_err(|_| errno(libc::EINVAL))?;
+                if transform > 3 || body.trim().is_empty() {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, v)
+            }
+            DHCHAP_HASH => {
+                let hash = crate::auth::DhchapHash::parse(v).map_err(|_| errno(libc::EINVAL))?;
+                if !v.starts_with("hmac(") {
+                    return Err(errno(libc::EINVAL));
+                }
+                self.set(path, hash.kernel_name())
+            }
+            DHCHAP_DHGROUP => {
+                let group = crate::auth::DhGroup::parse(v).map_err(|_| errno(libc::EINVAL))?;
+                self.set(path, group.kernel_name())
+            }
+            _ => Err(errno(libc::EACCES)),
+        }
+    }
+}
