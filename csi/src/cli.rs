@@ -25,6 +25,24 @@ pub enum Mode {
     /// publication take the new one (W10), then exits; takes the controller's flags (store,
     /// agent TLS), so run it where the controller runs.
     RotateNodeCredentials(RotateArgs),
+    /// Asks the controller's credentials endpoint for this node's DH-HMAC-CHAP pair as a stage
+    /// would (the node plugin's token, CA and endpoint flags), says whether it was delivered
+    /// (never the secrets), then exits: run it in the node plugin's pod to check the delivery.
+    CheckNodeCredentials(CheckArgs),
+}
+
+/// The flags of `check-node-credentials`.
+#[derive(Debug, clap::Args)]
+pub struct CheckArgs {
+    /// This node's Kubernetes name.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// The node's NVMe host NQN file.
+    #[arg(long, default_value = "/etc/nvme/hostnqn")]
+    pub hostnqn_file: PathBuf,
+    /// The endpoint, token and CA, as the node plugin takes them.
+    #[command(flatten)]
+    pub credentials: crate::credentials_delivery::client::ClientArgs,
 }
 
 /// The flags of `rotate-node-credentials`.
@@ -90,6 +108,9 @@ pub struct ControllerArgs {
     /// Bounds of the CSI gRPC server.
     #[command(flatten)]
     pub grpc: pillar_grpc_unix::Limits,
+    /// The credentials endpoint (a node's DH-HMAC-CHAP pair to that node).
+    #[command(flatten)]
+    pub credentials: crate::credentials_delivery::server::EndpointArgs,
 }
 
 /// The node plugin's flags.
@@ -122,6 +143,9 @@ pub struct NodeArgs {
     /// Bounds of the CSI gRPC server.
     #[command(flatten)]
     pub grpc: pillar_grpc_unix::Limits,
+    /// The controller's credentials endpoint, for stages that need this node's pair.
+    #[command(flatten)]
+    pub credentials: crate::credentials_delivery::client::ClientArgs,
 }
 
 pub fn parse_segment(raw: &str) -> Result<(String, String), String> {

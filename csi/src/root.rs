@@ -31,6 +31,8 @@ use tokio::task::JoinHandle;
 use crate::agents::{Agents, ControllerTls, Dialer};
 use crate::controller::metrics::{MetricsError, serve_metrics};
 use crate::controller::{Controller, ControllerService};
+use crate::credentials_delivery::client::CredentialsClient;
+use crate::credentials_delivery::server::Bound;
 use crate::identity::IdentityService;
 use crate::node::{NodeConfig, NodeError, NodeService};
 use crate::serve::{ServeError, serve_with_limits};
@@ -118,6 +120,7 @@ pub struct ControllerBuilder {
     reach: AgentReach,
     resync: Option<(Duration, Leader)>,
     metrics_listen: Option<SocketAddr>,
+    credentials: Option<Bound>,
 }
 
 /// A wired controller: its resync loop and elector (if any) running, its metrics (if any)
@@ -128,6 +131,7 @@ pub struct WiredController {
     /// Stops the elector; its task releases the Lease and ends.
     elector: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
     metrics: Option<SocketAddr>,
+    credentials: Option<SocketAddr>,
 }
 
 impl ControllerBuilder {
@@ -139,7 +143,16 @@ impl ControllerBuilder {
             reach,
             resync: None,
             metrics_listen: None,
+            credentials: None,
         }
+    }
+
+    /// Serves the credentials endpoint (a node's DH-HMAC-CHAP pair to that node) on its bound
+    /// listener, if one is given (bound by the caller, so a port that cannot be bound stops
+    /// the start before anything runs). Every replica serves it, leader or not.
+    pub fn credentials_endpoint(mut self, endpoint: Option<Bound>) -> Self {
+        self.credentials = endpoint;
+        self
     }
 
     /// Runs the resync loop every `interval` while `leader` holds.
@@ -154,8 +167,9 @@ impl ControllerBuilder {
         self
     }
 
-    /// Wires the controller: agents registry, controller, metrics listener, then the elector
-    /// and the resync loop (last, so a listener that cannot bind leaves no Lease held).
+    /// Wires the controller: agents registry, controller, metrics listener, credentials
+    /// endpoint, then the elector and the resync loop (last, so a listener that cannot bind
+    /// leaves no Lease held).
     pub async fn build(self) -> Result<WiredController, MetricsError> {
         let controller = Controller::new(self.store, self.reach.agents());
         let mut metrics = None;
@@ -163,6 +177,15 @@ impl ControllerBuilder {
             let bound = serve_metrics(addr, controller.metrics(), std::future::pending()).await?;
             tracing::info!(%bound, "serving metrics at /metrics");
             metrics = Some(bound);
+        }
+        let mut credentials = None;
+        if let Some(bound) = self.credentials {
+            credentials = bound.local_addr();
+            tokio::spawn(async move {
+                if let Err(e) = bound.serve(std::future::pending()).await {
+                    tracing::error!(error = %crate::error_chain(&e), "the credentials endpoint stopped");
+                }
+            });
         }
         let mut elector = None;
         if let Some((interval, leader)) = self.resync {
@@ -183,6 +206,7 @@ impl ControllerBuilder {
             controller,
             elector,
             metrics,
+            credentials,
         })
     }
 }
@@ -196,6 +220,11 @@ impl WiredController {
     /// Where the metrics are served, if they are.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics
+    }
+
+    /// Where the credentials endpoint is served, if it is.
+    pub fn credentials_addr(&self) -> Option<SocketAddr> {
+        self.credentials
     }
 
     /// Serves Identity and Controller on `socket` within `limits` until `shutdown` completes,
@@ -235,6 +264,15 @@ impl WiredNode {
         Ok(Self {
             service: NodeService::new(config)?,
         })
+    }
+
+    /// Stages without their DH-HMAC-CHAP secret get this node's pair through `client`, if
+    /// one is given (see [`NodeService::with_credentials_delivery`]).
+    pub fn credentials_delivery(mut self, client: Option<CredentialsClient>) -> Self {
+        if let Some(client) = client {
+            self.service = self.service.with_credentials_delivery(client);
+        }
+        self
     }
 
     /// Serves Identity and Node on `socket` within `limits` until `shutdown` completes.

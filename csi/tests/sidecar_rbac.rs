@@ -320,7 +320,7 @@ fn pillar_needs(namespace: &str) -> Vec<Need> {
         &["get", "list"],
     );
     add(None, "events.k8s.io", &["events"], &["create"]);
-    // Reviews of node plugins' tokens (csi/src/credentials_delivery.rs).
+    // Reviews of node plugins' tokens (csi/src/credentials_delivery/mod.rs).
     add(
         None,
         "authentication.k8s.io",

@@ -3,7 +3,10 @@
 //! services on every transport (tonic hands it over for TCP connections only).
 //!
 //! The configuration is tonic's: client certificates are required and verified against the
-//! given CA (WebPKI rules), the server offers HTTP/2 by ALPN, the ring provider.
+//! given CA (WebPKI rules), the server offers HTTP/2 by ALPN, the ring provider. A server whose
+//! clients prove who they are otherwise (the controller's credentials endpoint: a node's
+//! ServiceAccount token) is served without client certificates ([`server_config`],
+//! [`TlsFiles::load_server_only`]).
 //!
 //! [`TlsFiles`] serves from PEM files and reads them again when they change (a rotated
 //! Kubernetes Secret, cert-manager's renewal): each accepted connection gets the configuration
@@ -53,7 +56,43 @@ pub fn mtls_server_config(
     key: &[u8],
     client_ca: &[u8],
 ) -> Result<Arc<ServerConfig>, TlsConfigError> {
+    build_config(cert, key, Some(client_ca))
+}
+
+/// A server configuration presenting `cert`/`key` (PEM) that asks no client certificate: for
+/// a service whose callers authenticate in the call itself.
+pub fn server_config(cert: &[u8], key: &[u8]) -> Result<Arc<ServerConfig>, TlsConfigError> {
+    build_config(cert, key, None)
+}
+
+fn build_config(
+    cert: &[u8],
+    key: &[u8],
+    client_ca: Option<&[u8]>,
+) -> Result<Arc<ServerConfig>, TlsConfigError> {
     let provider = Arc::new(ring::default_provider());
+    let chain = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(TlsConfigError::Certificate)?;
+    let key = PrivateKeyDer::from_pem_slice(key).map_err(TlsConfigError::Key)?;
+    let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(TlsConfigError::Rustls)?;
+    let builder = match client_ca {
+        Some(client_ca) => builder.with_client_cert_verifier(client_verifier(client_ca, provider)?),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder
+        .with_single_cert(chain, key)
+        .map_err(TlsConfigError::Rustls)?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+fn client_verifier(
+    client_ca: &[u8],
+    provider: Arc<tokio_rustls::rustls::crypto::CryptoProvider>,
+) -> Result<Arc<dyn tokio_rustls::rustls::server::danger::ClientCertVerifier>, TlsConfigError> {
     let mut roots = RootCertStore::empty();
     let cas = CertificateDer::pem_slice_iter(client_ca)
         .collect::<Result<Vec<_>, _>>()
@@ -62,22 +101,9 @@ pub fn mtls_server_config(
     if added == 0 {
         return Err(TlsConfigError::NoClientCa);
     }
-    let verifier =
-        WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
-            .build()
-            .map_err(TlsConfigError::Verifier)?;
-    let chain = CertificateDer::pem_slice_iter(cert)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(TlsConfigError::Certificate)?;
-    let key = PrivateKeyDer::from_pem_slice(key).map_err(TlsConfigError::Key)?;
-    let mut config = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(TlsConfigError::Rustls)?
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(chain, key)
-        .map_err(TlsConfigError::Rustls)?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(Arc::new(config))
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+        .build()
+        .map_err(TlsConfigError::Verifier)
 }
 
 /// Where a server's TLS configuration comes from at each accepted connection.
@@ -105,19 +131,20 @@ impl From<Arc<ServerConfig>> for TlsSource {
     }
 }
 
-/// A mutual-TLS configuration read from a certificate, a key and a client CA in PEM files, and
-/// read again when one of them changes (see the module docs).
+/// A TLS configuration read from a certificate, a key and (for mutual TLS) a client CA in PEM
+/// files, and read again when one of them changes (see the module docs).
 #[derive(Debug)]
 pub struct TlsFiles {
-    /// Certificate, key, client CA, in that order.
-    paths: [PathBuf; 3],
+    /// Certificate, key, and the client CA where client certificates are required, in that
+    /// order.
+    paths: Vec<PathBuf>,
     loaded: Mutex<Loaded>,
 }
 
 #[derive(Debug)]
 struct Loaded {
     /// The files as last seen, loaded or not.
-    seen: [Stamp; 3],
+    seen: Vec<Stamp>,
     /// The last configuration that loaded.
     config: Arc<ServerConfig>,
     /// How many times the files changed and loaded.
@@ -156,7 +183,18 @@ impl TlsFiles {
         key: impl Into<PathBuf>,
         client_ca: impl Into<PathBuf>,
     ) -> Result<Self, TlsConfigError> {
-        let paths = [cert.into(), key.into(), client_ca.into()];
+        Self::from_paths(vec![cert.into(), key.into(), client_ca.into()])
+    }
+
+    /// As [`Self::load`], for a server that asks no client certificate ([`server_config`]).
+    pub fn load_server_only(
+        cert: impl Into<PathBuf>,
+        key: impl Into<PathBuf>,
+    ) -> Result<Self, TlsConfigError> {
+        Self::from_paths(vec![cert.into(), key.into()])
+    }
+
+    fn from_paths(paths: Vec<PathBuf>) -> Result<Self, TlsConfigError> {
         let (seen, config) = Self::read(&paths)?;
         Ok(Self {
             paths,
@@ -213,24 +251,25 @@ impl TlsFiles {
         self.loaded.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn stamps(&self) -> Result<[Stamp; 3], TlsConfigError> {
-        Ok([
-            stamp(&self.paths[0])?,
-            stamp(&self.paths[1])?,
-            stamp(&self.paths[2])?,
-        ])
+    fn stamps(&self) -> Result<Vec<Stamp>, TlsConfigError> {
+        self.paths.iter().map(|p| stamp(p)).collect()
     }
 
     /// Stamps taken before the reads: a change during the reads shows as a change next time.
-    fn read(paths: &[PathBuf; 3]) -> Result<([Stamp; 3], Arc<ServerConfig>), TlsConfigError> {
-        let seen = [stamp(&paths[0])?, stamp(&paths[1])?, stamp(&paths[2])?];
+    fn read(paths: &[PathBuf]) -> Result<(Vec<Stamp>, Arc<ServerConfig>), TlsConfigError> {
+        let seen = paths
+            .iter()
+            .map(|p| stamp(p))
+            .collect::<Result<Vec<_>, _>>()?;
         let read = |path: &PathBuf| {
             std::fs::read(path).map_err(|source| TlsConfigError::Read {
                 path: path.clone(),
                 source,
             })
         };
-        let config = mtls_server_config(&read(&paths[0])?, &read(&paths[1])?, &read(&paths[2])?)?;
+        let files = paths.iter().map(read).collect::<Result<Vec<_>, _>>()?;
+        // Certificate and key always; the client CA where one was given.
+        let config = build_config(&files[0], &files[1], files.get(2).map(Vec::as_slice))?;
         Ok((seen, config))
     }
 }

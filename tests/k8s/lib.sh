@@ -79,6 +79,10 @@ start_replica() {
     case $a in
       --endpoint=*) args+=("--endpoint=unix://$sock") ;;
       --agent-client-cert=* | --agent-client-key=*) ;;
+      # The credentials endpoint (a pod-IP listener, a mounted certificate) is stage 3's, where
+      # kubelet mounts the node plugins' tokens (scenario f); these node plugins stage local
+      # devices and need no pair.
+      --credentials-*) ;;
       *) args+=("$a") ;;
     esac
   done < <(sidecar_args pillar)

@@ -33,14 +33,48 @@ make_tls() {
         -extfile "$1.ext" -out "$1.crt" 2>/dev/null
     }
     leaf agent "$NODE.pillar-agent" serverAuth &&
-      leaf controller pillar-controller.pillar-system clientAuth
+      leaf controller pillar-controller.pillar-system clientAuth &&
+      leaf credentials pillar-controller.pillar-system.svc serverAuth
   ) || return 1
   secret() { k -n "$NS" create secret generic "$@" --dry-run=client -o yaml | k apply -f - >/dev/null; }
   secret pillar-agent-tls --from-file=tls.crt="$d/agent.crt" --from-file=tls.key="$d/agent.key" \
     --from-file=ca.crt="$d/ca.crt" &&
   secret pillar-controller-tls --from-file=tls.crt="$d/controller.crt" \
     --from-file=tls.key="$d/controller.key" &&
-  secret pillar-agent-ca --from-file=ca.crt="$d/ca.crt"
+  secret pillar-agent-ca --from-file=ca.crt="$d/ca.crt" &&
+  secret pillar-controller-credentials-tls --from-file=tls.crt="$d/credentials.crt" \
+    --from-file=tls.key="$d/credentials.key" &&
+  secret pillar-credentials-ca --from-file=ca.crt="$d/ca.crt"
+}
+
+# A cluster without kube-proxy (PILLAR_E2E_NO_KUBE_PROXY=1): kube-proxy's one rule the
+# credentials endpoint needs, the overlay's fixed ClusterIP of Service pillar-controller to one
+# controller pod (any replica answers), for this network namespace's own traffic (the node
+# plugin runs on the host network) and for pods'. Removed by undeploy.
+CREDENTIALS_VIP=10.96.0.98
+service_stand_in() {
+  [ "${PILLAR_E2E_NO_KUBE_PROXY:-}" = 1 ] || return 0
+  local ip
+  ip=$(k -n "$NS" get pods -l app=pillar-controller -o json | jq -r '[.items[]
+    | select(.metadata.deletionTimestamp == null and .status.podIP != null)][0].status.podIP // empty')
+  [ -n "$ip" ] || { echo "no controller pod IP"; return 1; }
+  service_stand_in_off
+  for chain in OUTPUT PREROUTING; do
+    iptables -t nat -A "$chain" -d "$CREDENTIALS_VIP" -p tcp --dport 9820 \
+      -m comment --comment pillar-e2e-credentials -j DNAT --to-destination "$ip:9820" || return 1
+  done
+  echo "kube-proxy stand-in: $CREDENTIALS_VIP:9820 -> $ip:9820"
+}
+service_stand_in_off() {
+  [ "${PILLAR_E2E_NO_KUBE_PROXY:-}" = 1 ] || return 0
+  local chain rule
+  for chain in OUTPUT PREROUTING; do
+    iptables -t nat -S "$chain" 2>/dev/null | grep -- '--comment pillar-e2e-credentials' |
+      sed 's/^-A /-D /' | while read -r rule; do
+        # shellcheck disable=SC2086 # a rule's words
+        iptables -t nat $rule
+      done
+  done
 }
 
 # deploy: the overlay, the secrets, and the suite's pillar objects and classes.
@@ -85,7 +119,8 @@ undeploy() {
   k -n "$NS" delete deploy/pillar-controller ds/pillar-node ds/pillar-agent pdb/pillar-controller \
     --wait=true --timeout=120s >/dev/null 2>&1
   k -n "$NS" delete secret pillar-agent-tls pillar-controller-tls pillar-agent-ca \
-    --ignore-not-found >/dev/null 2>&1
+    pillar-controller-credentials-tls pillar-credentials-ca --ignore-not-found >/dev/null 2>&1
+  service_stand_in_off
   k -n "$NS" wait --for=delete pod -l 'app in (pillar-controller, pillar-node, pillar-agent)' \
     --timeout=120s >/dev/null 2>&1
   # storage-1: stage 1's example PillarAgent (an address no test machine has).

@@ -8,6 +8,9 @@
 #      is SIGKILLed and started again (PILLAR_E2E_KUBELET_RESTART); the volume is reconstructed,
 #      the pod keeps its mount, its data and its writes; then the pod and the claim are deleted:
 #      unpublish, unstage, detach and delete happen, nothing is left on the agent.
+#   f) delivery of a node's DH-HMAC-CHAP pair (tests/k8s/stage3-credentials.sh): the real API
+#      server reviews the node plugin's projected token, the node plugin gets its pair for a
+#      stage; a pod of another ServiceAccount with a token of the right audience is refused.
 #   e) Kubernetes' own storage e2e suite (tests/k8s/e2e-storage.sh) where PILLAR_E2E_TEST names
 #      an e2e.test binary.
 #
@@ -15,6 +18,9 @@
 #   PILLAR_E2E_KUBELET_RESTART: a shell command that SIGKILLs the kubelet of the node
 #     PILLAR_E2E_NODE (default: the one Ready node labelled pillar.io/storage-node=true) and
 #     starts it again.
+#   PILLAR_E2E_NO_KUBE_PROXY=1: the cluster has no kube-proxy; the suite routes the overlay's
+#     ClusterIP of Service pillar-controller to a controller pod itself (iptables, this network
+#     namespace).
 #   PILLAR_E2E_FS_TYPE: the StorageClass's file system (default ext4; xfs where the node lacks
 #     CAP_SYS_RESOURCE, which ext4's online growth needs).
 #   The images of deploy/base (registry.invalid/..., the tags it pins) and PILLAR_E2E_IMAGE (a
@@ -77,9 +83,12 @@ check "node $NODE carries the plugin's topology labels" wait_for 60 "labels" nod
 check "PillarAgent e2e-storage Serving (controller -> agent over mutual TLS)" \
   wait_for 180 "agent Serving" agent_serving
 check "the controller's Lease is held by a controller pod" wait_for 120 "Lease" lease_held
+check "Service pillar-controller reaches a controller's credentials endpoint" service_stand_in
 
 . "$ROOT/tests/k8s/stage3-scenarios.sh"
 scenario_d_kubelet_restart
+. "$ROOT/tests/k8s/stage3-credentials.sh"
+scenario_f_credentials_delivery
 
 if [ -n "${PILLAR_E2E_TEST:-}" ]; then
   rc=0

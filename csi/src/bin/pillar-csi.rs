@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use pillar_csi::agents::ControllerTls;
-use pillar_csi::cli::{Args, ControllerArgs, Mode, NodeArgs, RotateArgs};
+use pillar_csi::cli::{Args, CheckArgs, ControllerArgs, Mode, NodeArgs, RotateArgs};
 use pillar_csi::node::{AttachMode, NodeConfig};
 use pillar_csi::root::{AgentReach, ControllerBuilder, Leader, WiredNode};
 use pillar_csi::serve::socket_path;
@@ -31,13 +31,37 @@ async fn main() -> anyhow::Result<()> {
         Mode::Controller(args) => controller(args).await,
         Mode::Node(args) => node(args).await,
         Mode::RotateNodeCredentials(args) => rotate(args).await,
+        Mode::CheckNodeCredentials(args) => check(args).await,
+    }
+}
+
+/// One request for this node's pair, as a stage makes it; the secrets are never shown.
+async fn check(args: CheckArgs) -> anyhow::Result<()> {
+    let client = args
+        .credentials
+        .client()
+        .context("--credentials-endpoint (or PILLAR_CREDENTIALS_ENDPOINT) is required")?;
+    let host_nqn = read_trimmed(&args.hostnqn_file)?
+        .parse()
+        .context("host NQN")?;
+    let volume = pillar_nvmet::VolumeId::parse("check-node-credentials").context("volume ID")?;
+    match client.fetch(&args.node_name, &host_nqn, &volume).await {
+        Ok(_) => {
+            tracing::info!(node = %args.node_name, %host_nqn, endpoint = %client.endpoint, "delivered: the controller answered this node's DH-HMAC-CHAP pair");
+            Ok(())
+        }
+        Err(e) => Err(anyhow::anyhow!(
+            "not delivered ({:?} at a stage): {}",
+            e.code(),
+            pillar_csi::error_chain(&e)
+        )),
     }
 }
 
 /// One rotation of a node's pair with the controller's store and agent reach; fails when a
 /// storage node kept the old pair (it takes the new one at its next resync).
 async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
-    let (store, _) = store_and_leader(&args.controller).await?;
+    let (store, _, _) = store_and_leader(&args.controller).await?;
     let c = args.controller;
     let tls = c
         .agent_client_cert
@@ -62,7 +86,8 @@ async fn rotate(args: RotateArgs) -> anyhow::Result<()> {
 }
 
 async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
-    let (store, leader) = store_and_leader(&args).await?;
+    let (store, leader, client) = store_and_leader(&args).await?;
+    let credentials = credentials_endpoint(&args, &store, client).await?;
     let tls = args
         .agent_client_cert
         .zip(args.agent_client_key)
@@ -73,6 +98,7 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
     )
     .resync_every(Duration::from_secs(args.resync_interval_secs), leader)
     .metrics_at(args.metrics_listen)
+    .credentials_endpoint(credentials)
     .build()
     .await?
     .serve(
@@ -84,9 +110,39 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
     .context("controller")
 }
 
-/// The store the flags name, and who runs the background loops: the embedded store is one
-/// process; with Kubernetes, the holder of the Lease (or every replica, without election).
-async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn StateStore>, Leader)> {
+/// The credentials endpoint the flags ask for, bound (Kubernetes store only: the node's token
+/// is reviewed by the API server).
+async fn credentials_endpoint(
+    args: &ControllerArgs,
+    store: &Arc<dyn StateStore>,
+    client: Option<kube::Client>,
+) -> anyhow::Result<Option<pillar_csi::credentials_delivery::server::Bound>> {
+    if args.credentials.credentials_listen.is_none() {
+        return Ok(None);
+    }
+    let Some(client) = client else {
+        anyhow::bail!(
+            "--credentials-listen needs the Kubernetes store (the API server reviews the nodes' \
+             tokens); with the embedded store NodeStageVolume carries the node's secrets"
+        );
+    };
+    let delivery = pillar_csi::credentials_delivery::Delivery::new(
+        Arc::clone(store),
+        client,
+        &args.credentials_namespace,
+    );
+    match args.credentials.endpoint(delivery)? {
+        Some(endpoint) => Ok(Some(endpoint.bind().await?)),
+        None => Ok(None),
+    }
+}
+
+/// The store the flags name, who runs the background loops (the embedded store is one
+/// process; with Kubernetes, the holder of the Lease, or every replica without election), and
+/// the Kubernetes client where there is one.
+async fn store_and_leader(
+    args: &ControllerArgs,
+) -> anyhow::Result<(Arc<dyn StateStore>, Leader, Option<kube::Client>)> {
     // The pod's name (deploy/base/controller.yaml sets POD_NAME) names this replica in its
     // Events and as the Lease holder. Without one the controller refuses to start with the
     // Kubernetes store (an empty holder would be every nameless replica's own Lease, and an
@@ -100,7 +156,7 @@ async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn Stat
         let store = pillar_state::EmbeddedStore::open(dir)
             .await
             .context("opening the embedded store")?;
-        return Ok((Arc::new(store), Leader::Sole));
+        return Ok((Arc::new(store), Leader::Sole, None));
     }
     if instance.is_empty() {
         anyhow::bail!(
@@ -126,10 +182,10 @@ async fn store_and_leader(args: &ControllerArgs) -> anyhow::Result<(Arc<dyn Stat
     } else {
         Leader::Sole
     };
-    let store = pillar_state::KubeStore::new(client)
+    let store = pillar_state::KubeStore::new(client.clone())
         .with_reporting_instance(&instance)
         .with_credentials_namespace(&args.credentials_namespace);
-    Ok((Arc::new(store), leader))
+    Ok((Arc::new(store), leader, Some(client)))
 }
 
 async fn node(args: NodeArgs) -> anyhow::Result<()> {
@@ -159,6 +215,7 @@ async fn node(args: NodeArgs) -> anyhow::Result<()> {
         topology: args.topology.into_iter().collect(),
     })
     .context("node plugin")?
+    .credentials_delivery(args.credentials.client())
     .serve(
         &socket_path(&args.endpoint),
         args.grpc,

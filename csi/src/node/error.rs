@@ -50,6 +50,18 @@ pub enum NodeError {
          Secret and that the controller created this node's credentials"
     )]
     MissingSecret { volume: String, key: &'static str },
+    #[error(
+        "volume {volume} requires NVMe in-band authentication (DH-HMAC-CHAP) and \
+         NodeStageVolume carries no secret for this node (secrets key {key:?}), and the \
+         controller's credentials endpoint did not deliver this node's pair: refusing to \
+         connect without it"
+    )]
+    CredentialsNotDelivered {
+        volume: String,
+        key: &'static str,
+        #[source]
+        source: Box<crate::credentials_delivery::client::FetchError>,
+    },
     #[error("NodeStageVolume secret {key:?} is not a DH-HMAC-CHAP secret: {reason}")]
     InvalidSecret { key: &'static str, reason: String },
     #[error("publish_context {key} = {value:?} is invalid: {reason}")]
@@ -367,6 +379,8 @@ pub fn code_of(err: &NodeError) -> Code {
         // W10: without its secret the node cannot connect; the CO's retry helps once the
         // secret is there.
         E::MissingSecret { .. } => Code::FailedPrecondition,
+        // The controller refused or is unreachable: its own code says whether a retry helps.
+        E::CredentialsNotDelivered { source, .. } => source.code(),
         // A log only a read-write stage may replay (N5): the CO's retry cannot help until one
         // has; fail closed.
         E::LogNeedsRecovery { .. } => Code::FailedPrecondition,

@@ -46,6 +46,7 @@ pub use config::{AttachMode, DEFAULT_CONNECT_TIMEOUT, NodeConfig};
 pub use engine::DEFAULT_FS;
 pub use error::{NodeError, code_of, describe};
 
+use crate::credentials_delivery::client::{CredentialsClient, stage_secrets};
 use crate::csi;
 use crate::csi::node_server::{Node, NodeServer};
 use crate::node_id::NodeId;
@@ -76,6 +77,8 @@ pub struct NodeService {
     engine: Arc<Engine>,
     locks: Arc<VolumeLocks>,
     node_id: String,
+    /// Where a stage without its DH-HMAC-CHAP secret gets this node's pair (Kubernetes).
+    credentials: Option<Arc<CredentialsClient>>,
 }
 
 impl NodeService {
@@ -115,7 +118,16 @@ impl NodeService {
             engine: Arc::new(Engine { cfg: config, store }),
             locks: Arc::default(),
             node_id,
+            credentials: None,
         })
+    }
+
+    /// Stages needing DH-HMAC-CHAP whose request carries no secret ask the controller's
+    /// credentials endpoint for this node's pair through `client`
+    /// ([`crate::credentials_delivery::client`]).
+    pub fn with_credentials_delivery(mut self, client: CredentialsClient) -> Self {
+        self.credentials = Some(Arc::new(client));
+        self
     }
 
     /// This node's CSI node ID, `<node-name>/<host-nqn>`.
@@ -183,8 +195,18 @@ impl Node for NodeService {
                 &cfg.host_nqn,
                 cfg.host_id,
             )?;
+            // W10: this node's pair from the controller where kubelet passed none.
+            let secrets = stage_secrets(
+                self.credentials.as_deref(),
+                &cfg.node_name,
+                &cfg.host_nqn,
+                &volume,
+                &req.publish_context,
+                req.secrets,
+            )
+            .await?;
             if let request::AttachTarget::Nvme(opts) = &mut ctx.target {
-                opts.auth = request::stage_auth(&volume, &req.publish_context, &req.secrets)?;
+                opts.auth = request::stage_auth(&volume, &req.publish_context, &secrets)?;
             }
             let guard = self.locks.try_lock(&volume)?;
             self.blocking(tracing::Span::current(), move |e| {

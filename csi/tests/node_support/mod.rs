@@ -264,10 +264,18 @@ impl Harness {
     }
 
     pub async fn start(make: impl FnOnce(&Path) -> NodeConfig) -> Self {
+        Self::start_with(make, |service| service).await
+    }
+
+    /// As [`Self::start`], the service passed through `wrap` before it is served.
+    pub async fn start_with(
+        make: impl FnOnce(&Path) -> NodeConfig,
+        wrap: impl FnOnce(NodeService) -> NodeService,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let cfg = make(dir.path());
         let state = cfg.state_dir.clone();
-        let service = NodeService::new(cfg).unwrap();
+        let service = wrap(NodeService::new(cfg).unwrap());
         let sock = dir.path().join("csi.sock");
         let listener = UnixListener::bind(&sock).unwrap();
         let server = tokio::spawn(async move {

@@ -356,9 +356,17 @@ impl ApiServerDouble {
                 node: node.to_owned(),
                 audiences: audiences.iter().map(|a| (*a).to_owned()).collect(),
                 revoked: false,
+                expired: false,
             },
         );
         token
+    }
+
+    /// Lets `token` expire (its `expirationSeconds` passed, kubelet did not refresh it).
+    pub fn expire_token(&self, token: &str) {
+        if let Some(t) = self.state().pod_tokens.get_mut(token) {
+            t.expired = true;
+        }
     }
 
     /// Invalidates every token bound to `pod` (the pod was deleted).

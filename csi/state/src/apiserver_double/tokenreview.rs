@@ -5,8 +5,8 @@
 //! The double issues such tokens itself ([`super::ApiServerDouble::issue_pod_token`]): each is
 //! bound to a ServiceAccount, a pod, the node the pod runs on and its audiences, and can be
 //! revoked (the pod deleted). A review answers as the server's authenticator does:
-//! - an unknown or revoked token: `authenticated: false` with an `error` (never a failure
-//!   status: a TokenReview of a bad token succeeds and says so);
+//! - an unknown, expired or revoked token: `authenticated: false` with an `error` (never a
+//!   failure status: a TokenReview of a bad token succeeds and says so);
 //! - a token none of whose audiences is in `spec.audiences` (when it names any): not
 //!   authenticated (`token audiences ... is invalid for the target audiences`);
 //! - otherwise `authenticated: true`, `user.username` `system:serviceaccount:<ns>:<name>`, its
@@ -31,6 +31,7 @@ pub(super) struct PodToken {
     pub node: String,
     pub audiences: Vec<String>,
     pub revoked: bool,
+    pub expired: bool,
 }
 
 pub(super) fn review(st: &State, body: Option<Value>) -> Answer {
@@ -52,6 +53,10 @@ pub(super) fn review(st: &State, body: Option<Value>) -> Answer {
         .unwrap_or_default();
     let status = match st.pod_tokens.get(token) {
         None => json!({ "authenticated": false, "error": "invalid bearer token" }),
+        Some(t) if t.expired => json!({
+            "authenticated": false,
+            "error": "[invalid bearer token, service account token has expired]",
+        }),
         Some(t) if t.revoked => json!({
             "authenticated": false,
             "error": "token has been invalidated: the pod it is bound to no longer exists",
