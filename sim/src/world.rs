@@ -325,7 +325,18 @@ impl World {
         ));
         agent.crash(lose).await;
         tokio::time::sleep(chaos.pause(100)).await;
-        agent.start().await
+        let started = agent.start().await;
+        // An armed power loss may strike this node while it finishes the work it had handed
+        // to the kernel, or while it boots (its state identity is a durable write): that is
+        // the loss, taken now.
+        if agent.power_is_off() {
+            chaos.trace(format!(
+                "step {step}: {} lost power while crashing or booting",
+                agent.name
+            ));
+            return self.settle_power_loss(step, true).await;
+        }
+        started
     }
 
     /// Lets the world run for `d`, waking early when an armed power loss trips.
