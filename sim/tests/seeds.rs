@@ -62,7 +62,7 @@ fn no_seed_breaks_an_invariant() {
             }
         }
         let done = seed - start + 1;
-        if progress > 0 && done % progress == 0 {
+        if progress > 0 && done.is_multiple_of(progress) {
             println!(
                 "progress: {done} seeds ({start}..={seed}), {} violating {:?}, {:.1?}, faults: {}",
                 violating.len(),
