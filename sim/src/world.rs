@@ -14,7 +14,7 @@ use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PillarVolu
 use pillar_state::{MemoryStore, StateStore};
 
 use crate::chaos::{Chaos, Fault, FaultCounts, Knobs};
-use crate::host::{Fabric, Publication, Reservations, SharedHost, SimHost};
+use crate::host::{Fabric, Publication, Reservations, SharedHost, SimHost, Targets};
 use crate::invariants::{Checker, View, Violation};
 use crate::node::{POOL, PowerGrid, SimAgent};
 use crate::ops::{self, Draw};
@@ -201,14 +201,26 @@ async fn start_agents(
     Ok(agents)
 }
 
-/// Every node's two hosts.
-fn make_hosts(config: &Config, dir: &std::path::Path) -> Result<Vec<SharedHost>, SimError> {
+/// Every node's two hosts, reaching `targets`.
+fn make_hosts(
+    config: &Config,
+    dir: &std::path::Path,
+    targets: &Targets,
+    reservations: &Arc<Reservations>,
+) -> Result<Vec<SharedHost>, SimError> {
     let mut hosts = Vec::new();
     for node in 1..=config.nodes {
         for variant in 0..2 {
             let name = format!("node-{node}");
             let path = dir.join("hosts").join(format!("{name}-{variant}"));
-            let h = SimHost::new(&name, &host(node, variant), &path).map_err(SimError::Host)?;
+            let h = SimHost::new(
+                &name,
+                &host(node, variant),
+                &path,
+                Arc::clone(targets),
+                Arc::clone(reservations),
+            )
+            .map_err(SimError::Host)?;
             hosts.push(Arc::new(Mutex::new(h)));
         }
     }
@@ -244,20 +256,23 @@ impl World {
                 .await?;
             replicas.push(wired.controller());
         }
-        let targets = agents
-            .iter()
-            .map(|a| (a.address, (a.name.clone(), a.configfs.clone())))
-            .collect();
+        let targets: Targets = Arc::new(
+            agents
+                .iter()
+                .map(|a| (a.address, (a.name.clone(), a.configfs.clone())))
+                .collect(),
+        );
+        let reservations = Arc::new(Reservations::default());
         Ok(Self {
             config: *config,
             chaos: chaos.clone(),
             store,
-            hosts: make_hosts(config, dir)?,
+            hosts: make_hosts(config, dir, &targets, &reservations)?,
             agents,
             replicas,
             fabric: Fabric {
-                targets: Arc::new(targets),
-                reservations: Arc::new(Reservations::default()),
+                targets,
+                reservations,
                 chaos: chaos.clone(),
             },
             publications: Arc::default(),
