@@ -7,6 +7,10 @@
 //! a blocking thread that keeps the lock until the work is really done, even when the caller
 //! gives up. Errors become gRPC statuses in one place ([`code_of`]).
 //!
+//! The engine reaches the kernel (NVMe/TCP connect and sysfs, block devices and filesystems,
+//! mounts, reservations) only through [`Kernel`]: [`HostKernel`], the running system, unless
+//! [`NodeService::with_kernel`] is given another (the simulation's double, `sim/`).
+//!
 //! Rules: N1 (connect with the node's own host NQN and host ID, verify the namespace identity
 //! before touching the device), N2 (stage record written before attaching), N3 (only a blank
 //! device is formatted), N4 (unstage disconnects only this subsystem's controllers of this host),
