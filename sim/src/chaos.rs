@@ -110,6 +110,12 @@ impl FaultCounts {
             *self.0.entry(*k).or_default() += v;
         }
     }
+
+    /// `Kind=n` for every kind, on one line (the progress line of a long run).
+    pub fn one_line(&self) -> String {
+        let parts: Vec<String> = self.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        parts.join(" ")
+    }
 }
 
 impl fmt::Display for FaultCounts {

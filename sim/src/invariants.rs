@@ -29,6 +29,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::path::Path;
 
 use pillar_nvmet::{SubsystemNqn, VolumeId};
 use pillar_state::crd::{AccessMode, PillarVolumeState, PublishedNode};
@@ -91,6 +92,11 @@ pub struct Checker {
     marks: BTreeMap<(String, String), (String, u64)>,
     /// UIDs a mark moved on from, per (agent, volume).
     superseded: BTreeMap<(String, String), BTreeSet<String>>,
+    /// Mark files as last read: (agent, directory, file) to the file's identity when read
+    /// (inode, size, modification time). A file unchanged since gives the same mark, already
+    /// checked and recorded: it is not read again (a mark is replaced by a rename, so a new
+    /// mark is a new inode).
+    seen: BTreeMap<(String, String, String), FileStamp>,
     /// (agent, volume, UID) whose backend volume was seen.
     backends: BTreeSet<(String, String, String)>,
 }
@@ -139,7 +145,7 @@ impl Checker {
         agent: &SimAgent,
         volumes: &BTreeMap<String, PillarVolumeState>,
     ) -> Option<Violation> {
-        let target = match pillar_nvmet::observe(&agent.configfs) {
+        let subsystems = match acls(&agent.configfs) {
             Ok(t) => t,
             Err(e) => {
                 return violation(
@@ -148,50 +154,9 @@ impl Checker {
                 );
             }
         };
-        for (nqn, sub) in &target.subsystems {
-            let volume = SubsystemNqn::parse(nqn)
-                .ok()
-                .and_then(|n| n.volume_id().ok())
-                .map(|v| v.to_string())
-                .unwrap_or_default();
-            let shared = sub.allowed_hosts.iter().all(|h| {
-                volumes.get(&volume).is_some_and(|v| {
-                    v.status_or_default()
-                        .published_nodes
-                        .iter()
-                        .filter(|p| p.host_nqn == *h)
-                        .all(read_only)
-                })
-            });
-            if sub.allow_any_host || (sub.allowed_hosts.len() > 1 && !shared) {
-                return violation(
-                    Invariant::OneWriterAtTarget,
-                    format!(
-                        "{}: {volume} admits {:?} (allow_any_host {})",
-                        agent.name, sub.allowed_hosts, sub.allow_any_host
-                    ),
-                );
-            }
-            for host in &sub.allowed_hosts {
-                let recorded = volumes.get(&volume).is_some_and(|v| {
-                    v.spec.agent == agent.name
-                        && v.status_or_default()
-                            .published_nodes
-                            .iter()
-                            .any(|p| p.host_nqn == *host)
-                });
-                if !recorded {
-                    return violation(
-                        Invariant::RecordOutlivesAccess,
-                        format!(
-                            "{}: {volume} admits {host}, which no publication record of the volume names (records: {:?})",
-                            agent.name,
-                            volumes
-                                .get(&volume)
-                                .map(|v| v.status_or_default().published_nodes)
-                        ),
-                    );
-                }
+        for (nqn, acl) in &subsystems {
+            if let Some(v) = check_acl(agent, nqn, acl, volumes) {
+                return Some(v);
             }
         }
         // Volumes' marks, and snapshots' (a lifecycle of their own, in their own directory).
@@ -200,6 +165,15 @@ impl Checker {
                 return Some(v);
             }
         }
+        self.check_backends(agent, volumes)
+    }
+
+    /// Invariant 5: a published volume's backend is never gone.
+    fn check_backends(
+        &mut self,
+        agent: &SimAgent,
+        volumes: &BTreeMap<String, PillarVolumeState>,
+    ) -> Option<Violation> {
         for (name, v) in volumes.iter().filter(|(_, v)| v.spec.agent == agent.name) {
             let uid = v.metadata.uid.clone().unwrap_or_default();
             let key = (agent.name.clone(), name.clone(), uid.clone());
@@ -238,9 +212,20 @@ impl Checker {
             else {
                 continue;
             };
-            let Ok(bytes) = std::fs::read(dir.join(&file)) else {
+            let path = dir.join(&file);
+            let seen_key = (agent.name.clone(), kind.to_owned(), file.clone());
+            let stamp = std::fs::symlink_metadata(&path)
+                .ok()
+                .map(|m| FileStamp::of(&m));
+            if stamp.is_some() && self.seen.get(&seen_key) == stamp.as_ref() {
+                continue;
+            }
+            let Ok(bytes) = std::fs::read(&path) else {
                 continue;
             };
+            if let Some(stamp) = stamp {
+                self.seen.insert(seen_key, stamp);
+            }
             let mark = match pillar_agent::fence::decode(&volume, &bytes) {
                 Ok(m) => m,
                 Err(e) => {
@@ -280,4 +265,117 @@ impl Checker {
         }
         None
     }
+}
+
+/// A file's identity for [`Checker`]'s cache of marks read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileStamp {
+    inode: u64,
+    len: u64,
+    modified: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(m: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            inode: m.ino(),
+            len: m.len(),
+            modified: (m.mtime(), m.mtime_nsec()),
+        }
+    }
+}
+
+/// What invariants 1 and 4 read of one subsystem of a target.
+#[derive(Debug, Default)]
+struct Acl {
+    allow_any_host: bool,
+    allowed_hosts: BTreeSet<String>,
+}
+
+/// The ACL of every subsystem under the configfs tree at `root`: only what the invariants read
+/// (`pillar_nvmet::observe` reads the whole tree, ports, namespaces and hosts too, which cost
+/// most of a seed when read after every step).
+fn acls(root: &Path) -> std::io::Result<BTreeMap<String, Acl>> {
+    let mut out = BTreeMap::new();
+    let subsystems = match std::fs::read_dir(root.join("subsystems")) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e),
+    };
+    for sub in subsystems {
+        let sub = sub?;
+        let Ok(nqn) = sub.file_name().into_string() else {
+            continue;
+        };
+        let any = std::fs::read_to_string(sub.path().join("attr_allow_any_host"))?;
+        let mut allowed_hosts = BTreeSet::new();
+        for host in std::fs::read_dir(sub.path().join("allowed_hosts"))? {
+            if let Ok(name) = host?.file_name().into_string() {
+                allowed_hosts.insert(name);
+            }
+        }
+        out.insert(
+            nqn,
+            Acl {
+                allow_any_host: any.trim() == "1",
+                allowed_hosts,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Invariants 1 (one writer at the target) and 4 (a record outlives the access) on one
+/// subsystem's ACL.
+fn check_acl(
+    agent: &SimAgent,
+    nqn: &str,
+    acl: &Acl,
+    volumes: &BTreeMap<String, PillarVolumeState>,
+) -> Option<Violation> {
+    let volume = SubsystemNqn::parse(nqn)
+        .ok()
+        .and_then(|n| n.volume_id().ok())
+        .map(|v| v.to_string())
+        .unwrap_or_default();
+    let record = volumes.get(&volume);
+    let shared = acl.allowed_hosts.iter().all(|h| {
+        record.is_some_and(|v| {
+            v.status_or_default()
+                .published_nodes
+                .iter()
+                .filter(|p| p.host_nqn == *h)
+                .all(read_only)
+        })
+    });
+    if acl.allow_any_host || (acl.allowed_hosts.len() > 1 && !shared) {
+        return violation(
+            Invariant::OneWriterAtTarget,
+            format!(
+                "{}: {volume} admits {:?} (allow_any_host {})",
+                agent.name, acl.allowed_hosts, acl.allow_any_host
+            ),
+        );
+    }
+    for host in &acl.allowed_hosts {
+        let recorded = record.is_some_and(|v| {
+            v.spec.agent == agent.name
+                && v.status_or_default()
+                    .published_nodes
+                    .iter()
+                    .any(|p| p.host_nqn == *host)
+        });
+        if !recorded {
+            return violation(
+                Invariant::RecordOutlivesAccess,
+                format!(
+                    "{}: {volume} admits {host}, which no publication record of the volume names (records: {:?})",
+                    agent.name,
+                    record.map(|v| v.status_or_default().published_nodes)
+                ),
+            );
+        }
+    }
+    None
 }

@@ -46,6 +46,7 @@
 pub mod chaos;
 pub mod host;
 pub mod invariants;
+pub mod kernel;
 pub mod node;
 mod ops;
 pub mod rng;

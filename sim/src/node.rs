@@ -25,8 +25,9 @@ use pillar_agent_api::v1::agent_server::AgentServer;
 use pillar_durable::crash::{CrashState, Model};
 use pillar_durable::record::Recorder;
 use pillar_durable::{DurableFile, DurableFs};
-use std::sync::atomic::{AtomicI64, Ordering};
-use tokio::sync::mpsc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use crate::chaos::Chaos;
@@ -51,6 +52,7 @@ pub struct SimAgent {
     pub incarnation: u32,
     /// The durable writes of this boot (since the last power loss or state loss).
     recorder: Option<PowerSwitch>,
+    grid: Arc<PowerGrid>,
 }
 
 /// The agent's durable file operations: the boot's recorder, behind a switch that cuts the
@@ -59,8 +61,55 @@ pub struct SimAgent {
 #[derive(Clone, Debug)]
 struct PowerSwitch {
     inner: Recorder,
+    grid: Arc<PowerGrid>,
+    off: Arc<PowerOff>,
+}
+
+/// An armed power loss, shared by every agent: it strikes the node whose durable file
+/// operation comes `left` operations from now, whichever node that is (a loss landing in the
+/// middle of some durable write, rather than on a node that happens to be idle).
+#[derive(Debug)]
+pub struct PowerGrid {
     /// Operations left before the cut; negative: not armed.
-    left: Arc<AtomicI64>,
+    left: AtomicI64,
+    /// Told when a node's power goes.
+    notify: Notify,
+}
+
+impl Default for PowerGrid {
+    fn default() -> Self {
+        Self {
+            left: AtomicI64::new(-1),
+            notify: Notify::new(),
+        }
+    }
+}
+
+impl PowerGrid {
+    /// Arms the loss: the `after`-th next durable file operation of any node (from 0) is cut.
+    pub fn arm(&self, after: i64) {
+        self.left.store(after, Ordering::Relaxed);
+    }
+
+    /// Disarms it (the loss happened, or was cut by the simulation).
+    pub fn disarm(&self) {
+        self.left.store(-1, Ordering::Relaxed);
+    }
+
+    /// Waits for a node's power to go, at most `limit`.
+    pub async fn wait(&self, limit: Duration) {
+        let _ = tokio::time::timeout(limit, self.notify.notified()).await;
+    }
+}
+
+/// The moment the power goes: the node stops answering at once (its connections break and
+/// nothing more gets in or out), and the simulation is told so it can take the node down.
+#[derive(Debug)]
+struct PowerOff {
+    tripped: AtomicBool,
+    link: Arc<Link>,
+    /// The running incarnation's connections.
+    kill: Mutex<Option<Arc<KillSwitch>>>,
 }
 
 fn cut() -> std::io::Error {
@@ -69,14 +118,36 @@ fn cut() -> std::io::Error {
 
 impl PowerSwitch {
     fn step(&self) -> std::io::Result<()> {
-        if self.left.load(Ordering::Relaxed) < 0 {
+        if self.off.tripped.load(Ordering::Acquire) {
+            return Err(cut());
+        }
+        let left = &self.grid.left;
+        if left.load(Ordering::Relaxed) < 0 {
             return Ok(());
         }
-        if self.left.fetch_sub(1, Ordering::Relaxed) <= 0 {
-            self.left.store(0, Ordering::Relaxed);
+        if left.fetch_sub(1, Ordering::Relaxed) <= 0 {
+            left.store(-1, Ordering::Relaxed);
+            self.trip();
+            self.grid.notify.notify_one();
             return Err(cut());
         }
         Ok(())
+    }
+
+    fn trip(&self) {
+        if self.off.tripped.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.off.link.down();
+        if let Some(kill) = self
+            .off
+            .kill
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            kill.kill();
+        }
     }
 }
 
@@ -198,6 +269,7 @@ impl SimAgent {
         dir: &Path,
         address: std::net::IpAddr,
         chaos: Chaos,
+        grid: Arc<PowerGrid>,
     ) -> std::io::Result<Self> {
         let pool = dir.join("pool");
         std::fs::create_dir_all(&pool)?;
@@ -215,6 +287,7 @@ impl SimAgent {
             running: None,
             incarnation: 0,
             recorder: None,
+            grid,
         })
     }
 
@@ -255,13 +328,19 @@ impl SimAgent {
                 std::fs::create_dir_all(&self.state)?;
                 let r = PowerSwitch {
                     inner: Recorder::new(&self.state)?,
-                    left: Arc::new(AtomicI64::new(-1)),
+                    grid: Arc::clone(&self.grid),
+                    off: Arc::new(PowerOff {
+                        tripped: AtomicBool::new(false),
+                        link: Arc::clone(&self.link),
+                        kill: Mutex::new(None),
+                    }),
                 };
                 self.recorder = Some(r.clone());
                 r
             }
         };
-        let agent = build_agent_with_fs(&self.config(), &metrics, Arc::new(recorder)).await?;
+        let agent =
+            build_agent_with_fs(&self.config(), &metrics, Arc::new(recorder.clone())).await?;
         let kill = Arc::new(KillSwitch::default());
         let service = ChaosAgent::new(
             AgentService::new(agent, metrics),
@@ -279,6 +358,11 @@ impl SimAgent {
                 .await;
         });
         self.incarnation += 1;
+        *recorder
+            .off
+            .kill
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&kill));
         self.link.up(Arc::clone(&kill), tx);
         self.running = Some((kill, serve));
         Ok(())
@@ -307,16 +391,21 @@ impl SimAgent {
         }
     }
 
-    /// The node loses power after `after` more durable file operations of work already under
-    /// way (none left: at once): the process dies, the state directory is left as one crash
-    /// state of this boot's writes (chosen by the seed), the target's memory is gone (see the
-    /// module documentation).
-    pub async fn power_loss(&mut self, after: i64) -> std::io::Result<PowerLoss> {
+    /// Whether the armed cut has happened (the node stopped answering).
+    pub fn power_is_off(&self) -> bool {
+        self.recorder
+            .as_ref()
+            .is_some_and(|s| s.off.tripped.load(Ordering::Acquire))
+    }
+
+    /// The power is off (the armed cut happened, or the simulation cuts it now, between two
+    /// durable operations): the process dies, the state directory is left as one crash state
+    /// of this boot's writes (chosen by the seed), the target's memory is gone (see the module
+    /// documentation).
+    pub async fn cut_power(&mut self) -> std::io::Result<PowerLoss> {
         if let Some(switch) = &self.recorder {
-            switch.left.store(after, Ordering::Relaxed);
+            switch.trip();
         }
-        // The node runs on for a moment: work under way, or arriving, runs into the cut.
-        tokio::time::sleep(self.chaos.pause(50)).await;
         self.crash(false).await;
         let Some(switch) = self.recorder.take() else {
             return Ok(PowerLoss {

@@ -378,76 +378,83 @@ fn kubelet_stage(
     })
 }
 
+/// One of the publications ControllerPublish answered (drawn), with its (volume ID, node ID).
+fn drawn_publication(w: &World) -> Option<((String, String), Publication)> {
+    let publications = w
+        .publications
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let len = publications.len() as u64;
+    if len == 0 {
+        return None;
+    }
+    publications
+        .iter()
+        .nth(usize::try_from(w.chaos.below(len)).unwrap_or(0))
+        .map(|(k, v)| (k.clone(), v.clone()))
+}
+
 /// A kubelet's call: a stage or publish of a publication ControllerPublish answered (one drawn
 /// among them), an unpublish or unstage of a volume a host (drawn) holds staged.
 fn kubelet(w: &World, p: &Pick) -> Draw {
-    let c = &w.chaos;
-    let (key, publication) = {
-        let publications = w
-            .publications
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let len = publications.len() as u64;
-        let drawn = if len == 0 {
-            None
-        } else {
-            publications
-                .iter()
-                .nth(usize::try_from(c.below(len)).unwrap_or(0))
-        };
-        match drawn {
-            Some((k, v)) => (Some(k.clone()), Some(v.clone())),
-            None => (None, None),
-        }
-    };
-    let fabric = w.fabric.clone();
+    let drawn = drawn_publication(w);
     match p.roll {
         EXPAND..NODE_PUBLISH => {
-            let (Some((id, node_id)), Some(publication)) = (key, publication) else {
+            let Some(((id, node_id), publication)) = drawn else {
                 return Draw::Skip("kubelet: nothing published".into());
             };
-            let Some(index) = host_index(w, &node_id) else {
-                return Draw::Skip(format!("kubelet: no host {node_id}"));
-            };
-            let host: SharedHost = Arc::clone(&w.hosts[index]);
-            let at = format!("{id} on {node_id}");
-            if p.roll >= NODE_STAGE {
-                let target = format!("pods/{id}");
-                return Draw::Task(
-                    format!("NodePublish {at}"),
-                    Box::pin(async move { fabric.publish(&host, &id, &target, &publication) }),
-                );
-            }
-            let Some(stage) = kubelet_stage(w, &id, &node_id) else {
-                return Draw::Skip(format!("kubelet: no host {node_id}"));
-            };
-            Draw::Task(format!("NodeStage {at}"), stage(publication))
+            kubelet_stage_or_publish(w, p, id, node_id, publication)
         }
-        _ => {
-            let index = usize::try_from((p.node - 1) * 2 + p.variant).unwrap_or(0);
-            let host: SharedHost = Arc::clone(&w.hosts[index]);
-            let staged: Vec<String> = crate::host::lock_host(&host)
-                .mounts
-                .keys()
-                .cloned()
-                .collect();
-            if staged.is_empty() {
-                return Draw::Skip(format!("kubelet: nothing staged on host {index}"));
-            }
-            let id = staged[usize::try_from(c.below(staged.len() as u64)).unwrap_or(0)].clone();
-            let at = format!("{id} on host {index}");
-            if p.roll < NODE_UNPUBLISH {
-                let target = format!("pods/{id}");
-                Draw::Task(
-                    format!("NodeUnpublish {at}"),
-                    Box::pin(async move { fabric.unpublish(&host, &id, &target) }),
-                )
-            } else {
-                Draw::Task(
-                    format!("NodeUnstage {at}"),
-                    Box::pin(async move { fabric.unstage(&host, &id) }),
-                )
-            }
-        }
+        _ => kubelet_unpublish_or_unstage(w, p),
+    }
+}
+
+fn kubelet_stage_or_publish(
+    w: &World,
+    p: &Pick,
+    id: String,
+    node_id: String,
+    publication: Publication,
+) -> Draw {
+    let Some(index) = host_index(w, &node_id) else {
+        return Draw::Skip(format!("kubelet: no host {node_id}"));
+    };
+    let host: SharedHost = Arc::clone(&w.hosts[index]);
+    let fabric = w.fabric.clone();
+    let at = format!("{id} on {node_id}");
+    if p.roll >= NODE_STAGE {
+        let target = id.clone();
+        return Draw::Task(
+            format!("NodePublish {at}"),
+            Box::pin(async move { fabric.publish(&host, &id, &target, &publication) }),
+        );
+    }
+    let Some(stage) = kubelet_stage(w, &id, &node_id) else {
+        return Draw::Skip(format!("kubelet: no host {node_id}"));
+    };
+    Draw::Task(format!("NodeStage {at}"), stage(publication))
+}
+
+fn kubelet_unpublish_or_unstage(w: &World, p: &Pick) -> Draw {
+    let index = usize::try_from((p.node - 1) * 2 + p.variant).unwrap_or(0);
+    let host: SharedHost = Arc::clone(&w.hosts[index]);
+    let staged: Vec<String> = crate::host::lock_host(&host).staged().into_keys().collect();
+    if staged.is_empty() {
+        return Draw::Skip(format!("kubelet: nothing staged on host {index}"));
+    }
+    let id = staged[usize::try_from(w.chaos.below(staged.len() as u64)).unwrap_or(0)].clone();
+    let at = format!("{id} on host {index}");
+    let fabric = w.fabric.clone();
+    if p.roll < NODE_UNPUBLISH {
+        let target = id.clone();
+        Draw::Task(
+            format!("NodeUnpublish {at}"),
+            Box::pin(async move { fabric.unpublish(&host, &id, &target) }),
+        )
+    } else {
+        Draw::Task(
+            format!("NodeUnstage {at}"),
+            Box::pin(async move { fabric.unstage(&host, &id) }),
+        )
     }
 }

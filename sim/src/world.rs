@@ -14,9 +14,9 @@ use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PillarVolu
 use pillar_state::{MemoryStore, StateStore};
 
 use crate::chaos::{Chaos, Fault, FaultCounts, Knobs};
-use crate::host::{Fabric, Publication, Reservations, SharedHost, SimHost};
+use crate::host::{Fabric, Publication, Reservations, SharedHost, SimHost, Targets};
 use crate::invariants::{Checker, View, Violation};
-use crate::node::{POOL, SimAgent};
+use crate::node::{POOL, PowerGrid, SimAgent};
 use crate::ops::{self, Draw};
 use crate::store::{replica_store, shared_store};
 use crate::transport::{Link, dialer};
@@ -147,8 +147,16 @@ pub(crate) struct World {
     pub publications: Arc<Mutex<BTreeMap<(String, String), Publication>>>,
     /// Acknowledged expansions (invariant 8).
     pub expansions: Arc<Mutex<BTreeMap<(String, String), u64>>>,
+    /// An armed power loss: the agent cut if none tripped it by the step given.
+    armed: Option<(usize, usize)>,
+    grid: Arc<PowerGrid>,
     checker: Checker,
 }
+
+/// Steps an armed power loss may wait for the agent's next durable operations: the rest of a
+/// seed, nearly always (most steps make no durable write on that agent); a loss still armed
+/// when the steps end is cut then, before the drain.
+const POWER_LOSS_STEPS: u64 = 1_000;
 
 /// The storage node `i`'s agent record.
 fn agent_spec(name: &str, address: IpAddr) -> PillarAgentSpec {
@@ -171,6 +179,7 @@ async fn start_agents(
     chaos: &Chaos,
     store: &MemoryStore,
     dir: &std::path::Path,
+    grid: &Arc<PowerGrid>,
 ) -> Result<Vec<SimAgent>, SimError> {
     let mut agents = Vec::new();
     for i in 0..config.agents {
@@ -179,21 +188,39 @@ async fn start_agents(
         store
             .create_agent(&name, agent_spec(&name, address))
             .await?;
-        let mut agent = SimAgent::new(&name, &dir.join(&name), address, chaos.clone())?;
+        let mut agent = SimAgent::new(
+            &name,
+            &dir.join(&name),
+            address,
+            chaos.clone(),
+            Arc::clone(grid),
+        )?;
         agent.start().await?;
         agents.push(agent);
     }
     Ok(agents)
 }
 
-/// Every node's two hosts.
-fn make_hosts(config: &Config, dir: &std::path::Path) -> Result<Vec<SharedHost>, SimError> {
+/// Every node's two hosts, reaching `targets`.
+fn make_hosts(
+    config: &Config,
+    dir: &std::path::Path,
+    targets: &Targets,
+    reservations: &Arc<Reservations>,
+) -> Result<Vec<SharedHost>, SimError> {
     let mut hosts = Vec::new();
     for node in 1..=config.nodes {
         for variant in 0..2 {
             let name = format!("node-{node}");
             let path = dir.join("hosts").join(format!("{name}-{variant}"));
-            let h = SimHost::new(&name, &host(node, variant), &path).map_err(SimError::Host)?;
+            let h = SimHost::new(
+                &name,
+                &host(node, variant),
+                &path,
+                Arc::clone(targets),
+                Arc::clone(reservations),
+            )
+            .map_err(SimError::Host)?;
             hosts.push(Arc::new(Mutex::new(h)));
         }
     }
@@ -214,7 +241,8 @@ impl World {
             },
         };
         store.create_protocol(PROTOCOL, protocol).await?;
-        let agents = start_agents(config, chaos, &store, dir).await?;
+        let grid = Arc::new(PowerGrid::default());
+        let agents = start_agents(config, chaos, &store, dir, &grid).await?;
         let links: BTreeMap<String, Arc<Link>> = agents
             .iter()
             .map(|a| (a.name.clone(), Arc::clone(&a.link)))
@@ -228,24 +256,29 @@ impl World {
                 .await?;
             replicas.push(wired.controller());
         }
-        let targets = agents
-            .iter()
-            .map(|a| (a.address, (a.name.clone(), a.configfs.clone())))
-            .collect();
+        let targets: Targets = Arc::new(
+            agents
+                .iter()
+                .map(|a| (a.address, (a.name.clone(), a.configfs.clone())))
+                .collect(),
+        );
+        let reservations = Arc::new(Reservations::default());
         Ok(Self {
             config: *config,
             chaos: chaos.clone(),
             store,
-            hosts: make_hosts(config, dir)?,
+            hosts: make_hosts(config, dir, &targets, &reservations)?,
             agents,
             replicas,
             fabric: Fabric {
-                targets: Arc::new(targets),
-                reservations: Arc::new(Reservations::default()),
+                targets,
+                reservations,
                 chaos: chaos.clone(),
             },
             publications: Arc::default(),
             expansions: Arc::default(),
+            armed: None,
+            grid,
             checker: Checker::default(),
         })
     }
@@ -267,39 +300,100 @@ impl World {
         }))
     }
 
-    /// An agent crash, maybe a power loss or a lost state directory, at `step`.
+    /// An agent crash, maybe a power loss or a lost state directory, at `step`. A power loss
+    /// is armed, not done: it lands at one of the agent's next durable file operations, while
+    /// the world runs on ([`settle_power_loss`](Self::settle_power_loss)).
     async fn crash(&mut self, step: usize) -> Result<(), SimError> {
         let chaos = self.chaos.clone();
         let which = usize::try_from(chaos.below(self.agents.len() as u64)).unwrap_or(0);
         if !chaos.strikes(Fault::AgentCrash, chaos.knobs.crash * 10, "agent crash") {
             return Ok(());
         }
-        let agent = &mut self.agents[which];
-        if chaos.strikes(Fault::PowerLoss, chaos.knobs.power_loss, "power loss") {
-            let loss = agent
-                .power_loss(i64::try_from(chaos.below(6)).unwrap_or(0))
-                .await?;
-            self.fabric.reservations.forget(&agent.name);
-            if loss.lost_writes {
-                chaos.count(Fault::PowerLossLostWrites, "un-fsynced writes lost");
-            }
-            chaos.trace(format!(
-                "step {step}: power loss of {} (incarnation {}): {} crash states, writes lost: {}",
-                agent.name, agent.incarnation, loss.states, loss.lost_writes
-            ));
-        } else {
-            // Counted only with a crash: a loss without one is no loss.
-            let lose = chaos.strikes(
-                Fault::AgentStateLost,
-                chaos.knobs.state_loss,
-                "the state directory is lost",
-            );
-            chaos.trace(format!(
-                "step {step}: crash {} (incarnation {}, state lost: {lose})",
-                agent.name, agent.incarnation
-            ));
-            agent.crash(lose).await;
+        if self.armed.is_some_and(|(a, _)| a == which) {
+            // The armed agent goes down now, between its durable writes.
+            return self.settle_power_loss(step, true).await;
         }
+        if chaos.strikes(Fault::PowerLoss, chaos.knobs.power_loss, "power loss") {
+            // One armed power loss at a time: the one before is cut now.
+            self.settle_power_loss(step, true).await?;
+            let after = i64::try_from(chaos.below(6)).unwrap_or(0);
+            let within = step + 1 + usize::try_from(chaos.below(POWER_LOSS_STEPS)).unwrap_or(0);
+            self.grid.arm(after);
+            chaos.trace(format!(
+                "step {step}: power loss armed: at the durable operation {after} from now of any \
+                 agent, else of {} by step {within}",
+                self.agents[which].name
+            ));
+            self.armed = Some((which, within));
+            return Ok(());
+        }
+        let agent = &mut self.agents[which];
+        // Counted only with a crash: a loss without one is no loss.
+        let lose = chaos.strikes(
+            Fault::AgentStateLost,
+            chaos.knobs.state_loss,
+            "the state directory is lost",
+        );
+        chaos.trace(format!(
+            "step {step}: crash {} (incarnation {}, state lost: {lose})",
+            agent.name, agent.incarnation
+        ));
+        agent.crash(lose).await;
+        tokio::time::sleep(chaos.pause(100)).await;
+        let started = agent.start().await;
+        // An armed power loss may strike this node while it finishes the work it had handed
+        // to the kernel, or while it boots (its state identity is a durable write): that is
+        // the loss, taken now.
+        if agent.power_is_off() {
+            chaos.trace(format!(
+                "step {step}: {} lost power while crashing or booting",
+                agent.name
+            ));
+            return self.settle_power_loss(step, true).await;
+        }
+        started
+    }
+
+    /// Lets the world run for `d`, waking early when an armed power loss trips.
+    async fn run_for(&self, d: Duration) {
+        match self.armed {
+            Some(_) => self.grid.wait(d).await,
+            None => tokio::time::sleep(d).await,
+        }
+    }
+
+    /// Takes down the agent whose armed power loss tripped, or whose bound (`step`) is
+    /// reached, or any armed one with `now`; restarts it.
+    async fn settle_power_loss(&mut self, step: usize, now: bool) -> Result<(), SimError> {
+        let Some((fallback, within)) = self.armed else {
+            return Ok(());
+        };
+        let struck = self.agents.iter().position(SimAgent::power_is_off);
+        let tripped = struck.is_some();
+        if !(tripped || now || step >= within) {
+            return Ok(());
+        }
+        self.armed = None;
+        self.grid.disarm();
+        let agent = &mut self.agents[struck.unwrap_or(fallback)];
+        let chaos = self.chaos.clone();
+        let loss = agent.cut_power().await?;
+        self.fabric.reservations.forget(&agent.name);
+        if loss.lost_writes {
+            chaos.count(Fault::PowerLossLostWrites, "un-fsynced writes lost");
+        }
+        chaos.trace(format!(
+            "step {step}: power loss of {} (incarnation {}, {}): {} crash states, writes lost: {}",
+            agent.name,
+            agent.incarnation,
+            if tripped {
+                "inside its durable writes"
+            } else {
+                "between durable writes"
+            },
+            loss.states,
+            loss.lost_writes
+        ));
         tokio::time::sleep(chaos.pause(100)).await;
         agent.start().await
     }
@@ -358,28 +452,48 @@ async fn world(
             Draw::Skip(why) => chaos.trace(format!("step {step}: {why}")),
             Draw::Task(label, op) => {
                 tasks.push(spawn(chaos, &ok, step, label, op));
-                tokio::time::sleep(chaos.pause(40)).await;
+                w.run_for(chaos.pause(40)).await;
             }
         }
+        w.settle_power_loss(step, false).await?;
         violation = w.check()?;
         if violation.is_some() {
             break;
         }
     }
     if violation.is_none() {
-        // Drain: no new faults; everything in flight lands or times out, agents are resynced.
-        chaos.disable();
-        chaos.trace("drain".into());
-        for t in tasks {
-            let _ = t.await;
-        }
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        w.replicas[0].resync_waiting_agents().await;
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        violation = w.check()?;
+        violation = drain(&mut w, tasks).await?;
     }
     if let Some(v) = &violation {
         chaos.trace(format!("VIOLATION {v}"));
     }
     Ok((violation, ok.load(Ordering::Relaxed)))
+}
+
+/// The drain: no new faults; everything in flight lands or times out, agents are resynced. A
+/// power loss still armed stays armed while the work in flight lands (the replies and resyncs
+/// of the drain are where most fenced writes of a seed happen), then is cut; the agent is
+/// resynced once more before the last check.
+async fn drain(
+    w: &mut World,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+) -> Result<Option<Violation>, SimError> {
+    let chaos = w.chaos.clone();
+    chaos.disable();
+    chaos.trace("drain".into());
+    for t in tasks {
+        let _ = t.await;
+    }
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    w.replicas[0].resync_waiting_agents().await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    if w.armed.is_some() {
+        w.settle_power_loss(w.config.steps, true).await?;
+        if let Some(v) = w.check()? {
+            return Ok(Some(v));
+        }
+        w.replicas[0].resync_waiting_agents().await;
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    }
+    w.check()
 }

@@ -8,6 +8,9 @@
 //! - `PILLAR_SIM_PAUSE_AFTER_WRITE=<per mille>`: replicas stalled after a token write (default 0).
 //! - `PILLAR_SIM_POWER_LOSS=<per mille>`: how many agent crashes are a power loss (default 300).
 //! - `PILLAR_SIM_TRACE=1`: print the trace of every seed, not only of a violating one.
+//! - `PILLAR_SIM_PROGRESS=<n>`: every `n` seeds, print one line with the seeds done, the
+//!   violating seeds so far, the faults injected by kind so far and the wall time, so a long
+//!   run that is cut short keeps its totals (default 0: off).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use pillar_sim::{Config, FaultCounts, run_seed};
@@ -28,6 +31,7 @@ fn no_seed_breaks_an_invariant() {
     let seeds = env("PILLAR_SIM_SEEDS", 300);
     let keep_going = env("PILLAR_SIM_KEEP_GOING", 0) == 1;
     let print_traces = env("PILLAR_SIM_TRACE", 0) == 1;
+    let progress = env("PILLAR_SIM_PROGRESS", 0);
     let mut config = Config::default();
     // C6: every crash loses the state directory unless told otherwise.
     config.knobs.state_loss = env("PILLAR_SIM_STATE_LOSS", 1000);
@@ -56,6 +60,16 @@ fn no_seed_breaks_an_invariant() {
             if !keep_going {
                 break;
             }
+        }
+        let done = seed - start + 1;
+        if progress > 0 && done.is_multiple_of(progress) {
+            println!(
+                "progress: {done} seeds ({start}..={seed}), {} violating {:?}, {:.1?}, faults: {}",
+                violating.len(),
+                violating,
+                started.elapsed(),
+                totals.one_line()
+            );
         }
     }
     let run = violating

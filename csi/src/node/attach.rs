@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use pillar_host::POLL_INTERVAL;
 use pillar_host::{
-    ConnectOptions, ControllerInfo, ControllerState, HostError, StageRecord, controllers_for,
-    disconnect_subsystem, verify_identity, wait_for_namespace,
+    ConnectOptions, ControllerInfo, ControllerState, HostError, StageRecord, verify_identity,
 };
 use pillar_nvmet::{NamespaceId, NamespaceIdentity, SubsystemNqn, VolumeId};
 
@@ -54,8 +53,10 @@ impl Engine {
         &self,
         nqn: &SubsystemNqn,
     ) -> Result<Vec<ControllerInfo>, NodeError> {
-        let all =
-            controllers_for(&self.cfg.paths, nqn).map_err(|source| NodeError::ListControllers {
+        let all = self
+            .kernel
+            .controllers(nqn)
+            .map_err(|source| NodeError::ListControllers {
                 nqn: nqn.to_string(),
                 source: Box::new(source),
             })?;
@@ -99,7 +100,7 @@ impl Engine {
         let mut connected = false;
         if existing.is_empty() {
             tracing::info!(%nqn, "connecting");
-            match pillar_host::connect(&self.cfg.paths, opts) {
+            match self.kernel.connect(opts) {
                 Ok(ctrl) => {
                     connected = true;
                     tracing::info!(%nqn, controller = %ctrl.name, "connected");
@@ -123,7 +124,7 @@ impl Engine {
         let found = self.find_verified(volume, nqn, self.cfg.connect_timeout);
         if found.is_err() && connected {
             // Nothing of this host's for this subsystem existed before this call: undo it.
-            match disconnect_subsystem(&self.cfg.paths, nqn, Some(&self.cfg.host_nqn)) {
+            match self.kernel.disconnect(nqn, Some(&self.cfg.host_nqn)) {
                 Ok(deleted) => {
                     tracing::info!(%nqn, ?deleted, "disconnected what this stage connected");
                 }
@@ -143,7 +144,9 @@ impl Engine {
         timeout: Duration,
     ) -> Result<Device, NodeError> {
         let start = Instant::now();
-        let dev = wait_for_namespace(&self.cfg.paths, nqn, Some(&self.cfg.host_nqn), timeout)
+        let dev = self
+            .kernel
+            .wait_for_namespace(nqn, Some(&self.cfg.host_nqn), timeout)
             .map_err(|source| NodeError::WaitNamespace {
                 nqn: nqn.to_string(),
                 source: Box::new(source),
@@ -185,10 +188,12 @@ impl Engine {
 
     /// The single-machine mode: the device must exist and be a block device.
     fn check_local(&self, device: &std::path::Path) -> Result<Device, NodeError> {
-        pillar_host::block_device_size(device).map_err(|source| NodeError::LocalDevice {
-            path: device.to_path_buf(),
-            source: Box::new(source),
-        })?;
+        self.kernel
+            .device_size(device)
+            .map_err(|source| NodeError::LocalDevice {
+                path: device.to_path_buf(),
+                source: Box::new(source),
+            })?;
         tracing::warn!(device = %device.display(),
             "single-machine mode: using a local block device; no NVMe namespace identity check \
              is possible (rule N1 is not enforced in this mode)");
@@ -219,7 +224,9 @@ impl Engine {
     pub(crate) fn detach(&self, nqn: &SubsystemNqn) -> Result<(), NodeError> {
         match self.cfg.attach {
             AttachMode::NvmeTcp => {
-                let deleted = disconnect_subsystem(&self.cfg.paths, nqn, Some(&self.cfg.host_nqn))
+                let deleted = self
+                    .kernel
+                    .disconnect(nqn, Some(&self.cfg.host_nqn))
                     .map_err(|source| NodeError::Disconnect {
                         nqn: nqn.to_string(),
                         source: Box::new(source),
@@ -240,12 +247,12 @@ impl Engine {
             if ctrl.state != ControllerState::Live {
                 continue;
             }
-            pillar_host::rescan_controller(&self.cfg.paths, &ctrl.name).map_err(|source| {
-                NodeError::Rescan {
+            self.kernel
+                .rescan(&ctrl.name)
+                .map_err(|source| NodeError::Rescan {
                     controller: ctrl.name.clone(),
                     source: Box::new(source),
-                }
-            })?;
+                })?;
             tracing::info!(%nqn, controller = %ctrl.name, "controller rescanned");
         }
         Ok(())
@@ -255,12 +262,10 @@ impl Engine {
     /// controller is not enough: after `identifiers changed` the host removes the namespace and
     /// keeps the controller.
     fn namespace_health(&self, record: &StageRecord) -> Result<(), String> {
-        let devices = pillar_host::namespaces_for_host(
-            &self.cfg.paths,
-            &record.nqn,
-            Some(&self.cfg.host_nqn),
-        )
-        .map_err(|e| format!("cannot read the namespaces of {}: {e}", record.nqn))?;
+        let devices = self
+            .kernel
+            .namespaces(&record.nqn, Some(&self.cfg.host_nqn))
+            .map_err(|e| format!("cannot read the namespaces of {}: {e}", record.nqn))?;
         let expected = NamespaceIdentity::derive(&record.nqn, NamespaceId::VOLUME);
         let staged = match record.device.as_deref() {
             // The record holds the disk name (`nvme0n1`); accept a path too.
@@ -316,7 +321,7 @@ impl Engine {
             },
             AttachMode::LocalDevice => match record.device.as_deref() {
                 None => abnormal("no device recorded for this volume".into()),
-                Some(dev) => match pillar_host::block_device_size(std::path::Path::new(dev)) {
+                Some(dev) => match self.kernel.device_size(std::path::Path::new(dev)) {
                     Ok(_) => Condition {
                         abnormal: false,
                         message: format!("local device {dev}"),

@@ -4,31 +4,30 @@
 use std::fs::{self, OpenOptions};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use pillar_host::mountinfo::{self, MountEntry};
-use pillar_host::{
-    Formatted, FsType, Probe, StageMode, StagePhase, StageRecord, StageStore, bind_mount,
-    block_device_size, find_mount, format_if_blank, is_mountpoint, log_needs_recovery, probe,
-    unmount, volume_stats,
-};
+use pillar_host::{Formatted, FsType, Probe, StageMode, StagePhase, StageRecord, StageStore};
 use pillar_nvmet::VolumeId;
 use pillar_state::crd::AccessMode;
 
 use super::NodeError;
 use super::attach::{Condition, Device};
 use super::config::NodeConfig;
+use super::kernel::Kernel;
 use super::request::{Access, AttachTarget, Capability, StageContext};
 
 /// The filesystem used when neither the capability nor the context names one.
 pub const DEFAULT_FS: FsType = FsType::Ext4;
 
-/// The node's state: its configuration and its stage records.
+/// The node's state: its configuration, its stage records, and its kernel.
 #[derive(Debug)]
 pub(crate) struct Engine {
     pub cfg: NodeConfig,
     pub store: StageStore,
+    pub kernel: Arc<dyn Kernel>,
 }
 
 /// What NodeGetVolumeStats reports.
@@ -49,50 +48,11 @@ fn mode_name(mode: &StageMode) -> String {
     }
 }
 
-fn check_mount(path: &Path) -> Result<Option<MountEntry>, NodeError> {
-    find_mount(path).map_err(|source| NodeError::CheckMount {
-        path: path.to_path_buf(),
-        source: Box::new(source),
-    })
-}
-
-/// Every mount of the node, to find a volume's other publications.
-fn mount_table(target: &Path) -> Result<Vec<MountEntry>, NodeError> {
-    mountinfo::read(Path::new(mountinfo::SELF_MOUNTINFO)).map_err(|source| NodeError::CheckMount {
-        path: target.to_path_buf(),
-        source: Box::new(source),
-    })
-}
-
-pub(super) fn mounted(path: &Path) -> Result<bool, NodeError> {
-    is_mountpoint(path).map_err(|source| NodeError::CheckMount {
-        path: path.to_path_buf(),
-        source: Box::new(source),
-    })
-}
-
-fn do_unmount(path: &Path) -> Result<(), NodeError> {
-    unmount(path).map_err(|source| NodeError::Unmount {
-        target: path.to_path_buf(),
-        source: Box::new(source),
-    })
-}
-
 fn create_dir(path: &Path) -> Result<(), NodeError> {
     fs::create_dir_all(path).map_err(|source| NodeError::PrepareTarget {
         path: path.to_path_buf(),
         source,
     })
-}
-
-/// `(major, minor)` of the block device node at `path`.
-fn devnum(path: &Path) -> Result<(u32, u32), NodeError> {
-    let meta = fs::metadata(path).map_err(|source| NodeError::VolumePath {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let rdev = meta.rdev();
-    Ok((libc::major(rdev), libc::minor(rdev)))
 }
 
 /// Whether `path` exists (without following a final symlink).
@@ -104,6 +64,56 @@ pub(super) fn exists(path: &Path) -> Result<bool, NodeError> {
             path: path.to_path_buf(),
             source,
         }),
+    }
+}
+
+/// The kernel's mount views and actions, with the engine's errors.
+impl Engine {
+    pub(super) fn check_mount(&self, path: &Path) -> Result<Option<MountEntry>, NodeError> {
+        self.kernel
+            .find_mount(path)
+            .map_err(|source| NodeError::CheckMount {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            })
+    }
+
+    /// Every mount of the node, to find a volume's other publications.
+    fn mount_table(&self, target: &Path) -> Result<Vec<MountEntry>, NodeError> {
+        self.kernel
+            .mount_table()
+            .map_err(|source| NodeError::CheckMount {
+                path: target.to_path_buf(),
+                source: Box::new(source),
+            })
+    }
+
+    pub(super) fn mounted(&self, path: &Path) -> Result<bool, NodeError> {
+        self.kernel
+            .is_mountpoint(path)
+            .map_err(|source| NodeError::CheckMount {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            })
+    }
+
+    fn do_unmount(&self, path: &Path) -> Result<(), NodeError> {
+        self.kernel
+            .unmount(path)
+            .map_err(|source| NodeError::Unmount {
+                target: path.to_path_buf(),
+                source: Box::new(source),
+            })
+    }
+
+    /// `(major, minor)` of the block device node at `path`.
+    fn devnum(&self, path: &Path) -> Result<(u32, u32), NodeError> {
+        self.kernel
+            .device_number(path)
+            .map_err(|source| NodeError::VolumePath {
+                path: path.to_path_buf(),
+                source,
+            })
     }
 }
 
@@ -142,85 +152,14 @@ impl Engine {
                 volume: volume.to_string(),
             });
         }
-        if let Some(rec) = self.read_record(volume)? {
-            if rec.staging_path == staging {
-                if rec.phase == StagePhase::Mounted {
-                    if rec.mode != mode {
-                        return Err(NodeError::StagedIncompatibly {
-                            volume: volume.to_string(),
-                            staged: mode_name(&rec.mode),
-                            requested: mode_name(&mode),
-                        });
-                    }
-                    if let StageMode::Filesystem { fs_type } = mode
-                        && let Some(m) = check_mount(staging)?
-                        && m.fs_type == fs_type.as_str()
-                    {
-                        if !access_matches(&m, read_only) {
-                            return Err(NodeError::StagedIncompatibly {
-                                volume: volume.to_string(),
-                                staged: access(m.is_readonly()).into(),
-                                requested: access(read_only).into(),
-                            });
-                        }
-                        self.reassert_on_restage(&rec);
-                        tracing::info!("already staged");
-                        return Ok(());
-                    }
-                    if mode == StageMode::Block {
-                        // Staged if the device is still there (found by NQN and verified);
-                        // after a reboot it is not, and the stage runs again.
-                        match self.find_device(&rec) {
-                            Ok(_) => {
-                                self.reassert_on_restage(&rec);
-                                tracing::info!("already staged");
-                                return Ok(());
-                            }
-                            Err(e) => tracing::info!(reason = %super::describe(&e),
-                                "block volume recorded as staged but its device is gone; attaching again"),
-                        }
-                    }
-                }
-            } else {
-                let in_use = match rec.mode {
-                    StageMode::Block => rec.phase == StagePhase::Mounted,
-                    StageMode::Filesystem { .. } => mounted(&rec.staging_path)?,
-                };
-                if in_use {
-                    return Err(NodeError::StagedElsewhere {
-                        volume: volume.to_string(),
-                        staged: rec.staging_path,
-                    });
-                }
-                tracing::info!(old = %rec.staging_path.display(),
-                    "replacing a stage record whose staging path is no longer in use");
-            }
+        if let Some(rec) = self.read_record(volume)?
+            && self.already_staged(volume, staging, &rec, mode, read_only)?
+        {
+            return Ok(());
         }
 
         // Rule N2: the record exists, durably, before anything is attached.
-        let (traddr, trsvcid) = match &ctx.target {
-            AttachTarget::Nvme(o) => (o.traddr, o.trsvcid),
-            AttachTarget::Local {
-                traddr, trsvcid, ..
-            } => (
-                traddr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
-                trsvcid.unwrap_or(0),
-            ),
-        };
-        let mut record = StageRecord {
-            volume: volume.clone(),
-            nqn: ctx.nqn.clone(),
-            hostnqn: self.cfg.host_nqn.clone(),
-            traddr,
-            trsvcid,
-            device: None,
-            staging_path: staging.to_path_buf(),
-            mode,
-            phase: StagePhase::Connecting,
-            reservation: self.cfg.reservations
-                && matches!(ctx.target, AttachTarget::Nvme(_))
-                && super::reserve::wants_reservation(cap, read_only),
-        };
+        let mut record = self.new_record(volume, staging, cap, ctx, mode, read_only);
         self.write_record(&record)?;
 
         let device = self.attach(volume, &ctx.target)?;
@@ -249,6 +188,108 @@ impl Engine {
         self.write_record(&record)?;
         tracing::info!(device = %device.path.display(), "staged");
         Ok(())
+    }
+
+    /// A stage over an existing record: `true` when the volume is already staged as asked
+    /// (nothing to do), `false` when the stage runs (again); an error when it is staged
+    /// otherwise, or still in use at another staging path.
+    fn already_staged(
+        &self,
+        volume: &VolumeId,
+        staging: &Path,
+        rec: &StageRecord,
+        mode: StageMode,
+        read_only: bool,
+    ) -> Result<bool, NodeError> {
+        if rec.staging_path != staging {
+            let in_use = match rec.mode {
+                StageMode::Block => rec.phase == StagePhase::Mounted,
+                StageMode::Filesystem { .. } => self.mounted(&rec.staging_path)?,
+            };
+            if in_use {
+                return Err(NodeError::StagedElsewhere {
+                    volume: volume.to_string(),
+                    staged: rec.staging_path.clone(),
+                });
+            }
+            tracing::info!(old = %rec.staging_path.display(),
+                "replacing a stage record whose staging path is no longer in use");
+            return Ok(false);
+        }
+        if rec.phase != StagePhase::Mounted {
+            return Ok(false);
+        }
+        if rec.mode != mode {
+            return Err(NodeError::StagedIncompatibly {
+                volume: volume.to_string(),
+                staged: mode_name(&rec.mode),
+                requested: mode_name(&mode),
+            });
+        }
+        if let StageMode::Filesystem { fs_type } = mode
+            && let Some(m) = self.check_mount(staging)?
+            && m.fs_type == fs_type.as_str()
+        {
+            if !access_matches(&m, read_only) {
+                return Err(NodeError::StagedIncompatibly {
+                    volume: volume.to_string(),
+                    staged: access(m.is_readonly()).into(),
+                    requested: access(read_only).into(),
+                });
+            }
+            self.reassert_on_restage(rec);
+            tracing::info!("already staged");
+            return Ok(true);
+        }
+        if mode == StageMode::Block {
+            // Staged if the device is still there (found by NQN and verified); after a reboot
+            // it is not, and the stage runs again.
+            match self.find_device(rec) {
+                Ok(_) => {
+                    self.reassert_on_restage(rec);
+                    tracing::info!("already staged");
+                    return Ok(true);
+                }
+                Err(e) => tracing::info!(reason = %super::describe(&e),
+                    "block volume recorded as staged but its device is gone; attaching again"),
+            }
+        }
+        Ok(false)
+    }
+
+    /// The record a stage writes first (N2): phase `Connecting`, no device yet.
+    fn new_record(
+        &self,
+        volume: &VolumeId,
+        staging: &Path,
+        cap: &Capability,
+        ctx: &StageContext,
+        mode: StageMode,
+        read_only: bool,
+    ) -> StageRecord {
+        let (traddr, trsvcid) = match &ctx.target {
+            AttachTarget::Nvme(o) => (o.traddr, o.trsvcid),
+            AttachTarget::Local {
+                traddr, trsvcid, ..
+            } => (
+                traddr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+                trsvcid.unwrap_or(0),
+            ),
+        };
+        StageRecord {
+            volume: volume.clone(),
+            nqn: ctx.nqn.clone(),
+            hostnqn: self.cfg.host_nqn.clone(),
+            traddr,
+            trsvcid,
+            device: None,
+            staging_path: staging.to_path_buf(),
+            mode,
+            phase: StagePhase::Connecting,
+            reservation: self.cfg.reservations
+                && matches!(ctx.target, AttachTarget::Nvme(_))
+                && super::reserve::wants_reservation(cap, read_only),
+        }
     }
 
     /// The filesystem of a stage before its mount: formatted if blank (N3), or required as it
@@ -293,11 +334,14 @@ impl Engine {
 
     /// A read-only stage never formats: the device must already hold `fs_type`.
     fn require_filesystem(&self, device: &Device, fs_type: FsType) -> Result<(), NodeError> {
-        let found = probe(&device.path).map_err(|source| NodeError::Format {
-            device: device.path.clone(),
-            fs: fs_type.to_string(),
-            source: Box::new(source),
-        })?;
+        let found = self
+            .kernel
+            .probe(&device.path)
+            .map_err(|source| NodeError::Format {
+                device: device.path.clone(),
+                fs: fs_type.to_string(),
+                source: Box::new(source),
+            })?;
         match found {
             Probe::Found(sig) if sig.as_fs() == Some(fs_type) => Ok(()),
             other => Err(NodeError::ReadOnlyWithoutFilesystem {
@@ -321,8 +365,10 @@ impl Engine {
         device: &Device,
         fs_type: FsType,
     ) -> Result<(), NodeError> {
-        let dirty =
-            log_needs_recovery(&device.path, fs_type).map_err(|source| NodeError::CheckLog {
+        let dirty = self
+            .kernel
+            .log_needs_recovery(&device.path, fs_type)
+            .map_err(|source| NodeError::CheckLog {
                 device: device.path.clone(),
                 fs: fs_type.to_string(),
                 source: Box::new(source),
@@ -347,13 +393,14 @@ impl Engine {
         // may block for long (probe and mkfs, mount, connect) is logged: where a stage hangs,
         // and what each step costs (the lane's attach-path benchmark reads these lines).
         tracing::info!(%fs_type, "formatting");
-        let done = format_if_blank(&device.path, fs_type, &ctx.mkfs_options).map_err(|source| {
-            NodeError::Format {
+        let done = self
+            .kernel
+            .format_if_blank(&device.path, fs_type, &ctx.mkfs_options)
+            .map_err(|source| NodeError::Format {
                 device: device.path.clone(),
                 fs: fs_type.to_string(),
                 source: Box::new(source),
-            }
-        })?;
+            })?;
         match &done {
             Formatted::Formatted => tracing::info!(%fs_type, "formatted a blank device"),
             Formatted::AlreadyHad(_) => {
@@ -375,8 +422,8 @@ impl Engine {
         flags: &[String],
     ) -> Result<(), NodeError> {
         create_dir(staging)?;
-        if let Some(entry) = check_mount(staging)? {
-            let want = devnum(&device.path)?;
+        if let Some(entry) = self.check_mount(staging)? {
+            let want = self.devnum(&device.path)?;
             if (entry.major, entry.minor) != want {
                 return Err(NodeError::StagingPathBusy {
                     path: staging.to_path_buf(),
@@ -402,12 +449,12 @@ impl Engine {
             self.require_clean_log(volume, device, fs_type)?;
         }
         tracing::info!(device = %device.path.display(), "mounting");
-        pillar_host::mount(&device.path, staging, fs_type, readonly, flags).map_err(|source| {
-            NodeError::Mount {
+        self.kernel
+            .mount(&device.path, staging, fs_type, readonly, flags)
+            .map_err(|source| NodeError::Mount {
                 target: staging.to_path_buf(),
                 source: Box::new(source),
-            }
-        })
+            })
     }
 
     /// NodeUnstageVolume.
@@ -416,10 +463,10 @@ impl Engine {
             // No record: never staged, or a crash after attach before the record was updated
             // (a mount exists then). The record is written before attaching, so without a mount
             // there is nothing of this volume's to undo.
-            if mounted(staging)? {
+            if self.mounted(staging)? {
                 tracing::warn!("no stage record but the staging path is mounted; cleaning up");
                 self.refuse_if_published(volume, staging)?;
-                do_unmount(staging)?;
+                self.do_unmount(staging)?;
                 self.detach(&volume.subsystem_nqn())?;
             } else {
                 tracing::info!("not staged; nothing to do");
@@ -436,7 +483,7 @@ impl Engine {
         }
         let staging = rec.staging_path.as_path();
         self.refuse_if_published(volume, staging)?;
-        do_unmount(staging)?;
+        self.do_unmount(staging)?;
         // W9: best effort; the records and the ACL stay the durable fence.
         self.unreserve(&rec);
         self.detach(&rec.nqn)?;
@@ -453,15 +500,10 @@ impl Engine {
     /// Refuses to unstage while the staged filesystem is still mounted elsewhere (a publish
     /// target): disconnecting would pull the device from under a running workload.
     fn refuse_if_published(&self, volume: &VolumeId, staging: &Path) -> Result<(), NodeError> {
-        let Some(entry) = check_mount(staging)? else {
+        let Some(entry) = self.check_mount(staging)? else {
             return Ok(());
         };
-        let table = mountinfo::read(Path::new(mountinfo::SELF_MOUNTINFO)).map_err(|source| {
-            NodeError::CheckMount {
-                path: staging.to_path_buf(),
-                source: Box::new(source),
-            }
-        })?;
+        let table = self.mount_table(staging)?;
         let others: Vec<PathBuf> = table
             .into_iter()
             .filter(|m| (m.major, m.minor) == (entry.major, entry.minor))
@@ -487,13 +529,9 @@ impl Engine {
         cap: &Capability,
         readonly: bool,
     ) -> Result<(), NodeError> {
-        let not_staged = || NodeError::NotStaged {
-            volume: volume.to_string(),
-            staging: staging.to_path_buf(),
-        };
         let rec = match self.read_record(volume)? {
             Some(r) if r.phase == StagePhase::Mounted && r.staging_path == staging => r,
-            _ => return Err(not_staged()),
+            _ => return Err(not_staged(volume, staging)),
         };
         let requested = if cap.is_block() {
             "a block volume".to_owned()
@@ -503,67 +541,15 @@ impl Engine {
         let readonly = readonly || cap.reader_only();
         match (rec.mode, cap.is_block()) {
             (StageMode::Filesystem { .. }, false) => {
-                let Some(staged) = check_mount(staging)? else {
-                    return Err(not_staged());
-                };
-                if let Some(existing) = check_mount(target)? {
-                    return self.already_published(&staged, &existing, target, readonly);
-                }
-                if cap.mode == AccessMode::SingleNodeSingleWriter {
-                    let table = mount_table(target)?;
-                    let other = mountinfo::binds_of(&table, &staged)
-                        .find(|p| *p != staged.mount_point && *p != target)
-                        .map(Path::to_path_buf);
-                    refuse_second_publication(volume, other)?;
-                }
-                create_dir(target)?;
-                bind_mount(staging, target, readonly).map_err(|source| NodeError::Mount {
-                    target: target.to_path_buf(),
-                    source: Box::new(source),
-                })?;
-            }
-            (StageMode::Block, true) => {
-                if readonly {
-                    return Err(NodeError::ReadonlyBlock {
-                        volume: volume.to_string(),
-                    });
-                }
-                let device = self.find_device(&rec)?;
-                if mounted(target)? {
-                    tracing::info!("already published");
+                let published = self.publish_filesystem(volume, staging, target, cap, readonly)?;
+                if published == Published::Already {
                     return Ok(());
                 }
-                if cap.mode == AccessMode::SingleNodeSingleWriter
-                    && let Some(name) = device.path.file_name().and_then(|n| n.to_str())
-                {
-                    let table = mount_table(target)?;
-                    let other = mountinfo::device_binds(&table, name)
-                        .find(|p| *p != target)
-                        .map(Path::to_path_buf);
-                    refuse_second_publication(volume, other)?;
-                }
-                if let Some(parent) = target.parent() {
-                    create_dir(parent)?;
-                }
-                let created = !exists(target)?;
-                OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(false)
-                    .mode(0o600)
-                    .open(target)
-                    .map_err(|source| NodeError::PrepareTarget {
-                        path: target.to_path_buf(),
-                        source,
-                    })?;
-                if let Err(source) = bind_mount(&device.path, target, false) {
-                    if created {
-                        let _ = fs::remove_file(target);
-                    }
-                    return Err(NodeError::Mount {
-                        target: target.to_path_buf(),
-                        source: Box::new(source),
-                    });
+            }
+            (StageMode::Block, true) => {
+                let published = self.publish_block(volume, &rec, target, cap, readonly)?;
+                if published == Published::Already {
+                    return Ok(());
                 }
             }
             (staged, _) => {
@@ -576,6 +562,93 @@ impl Engine {
         }
         tracing::info!(target = %target.display(), readonly, "published");
         Ok(())
+    }
+
+    /// NodePublish of a staged filesystem: a bind mount of the staging path at `target`.
+    fn publish_filesystem(
+        &self,
+        volume: &VolumeId,
+        staging: &Path,
+        target: &Path,
+        cap: &Capability,
+        readonly: bool,
+    ) -> Result<Published, NodeError> {
+        let Some(staged) = self.check_mount(staging)? else {
+            return Err(not_staged(volume, staging));
+        };
+        if let Some(existing) = self.check_mount(target)? {
+            self.already_published(&staged, &existing, target, readonly)?;
+            return Ok(Published::Already);
+        }
+        if cap.mode == AccessMode::SingleNodeSingleWriter {
+            let table = self.mount_table(target)?;
+            let other = mountinfo::binds_of(&table, &staged)
+                .find(|p| *p != staged.mount_point && *p != target)
+                .map(Path::to_path_buf);
+            refuse_second_publication(volume, other)?;
+        }
+        create_dir(target)?;
+        self.kernel
+            .bind_mount(staging, target, readonly)
+            .map_err(|source| NodeError::Mount {
+                target: target.to_path_buf(),
+                source: Box::new(source),
+            })?;
+        Ok(Published::Now)
+    }
+
+    /// NodePublish of a staged block volume: a bind mount of its device on a file at `target`.
+    fn publish_block(
+        &self,
+        volume: &VolumeId,
+        rec: &StageRecord,
+        target: &Path,
+        cap: &Capability,
+        readonly: bool,
+    ) -> Result<Published, NodeError> {
+        if readonly {
+            return Err(NodeError::ReadonlyBlock {
+                volume: volume.to_string(),
+            });
+        }
+        let device = self.find_device(rec)?;
+        if self.mounted(target)? {
+            tracing::info!("already published");
+            return Ok(Published::Already);
+        }
+        if cap.mode == AccessMode::SingleNodeSingleWriter
+            && let Some(name) = device.path.file_name().and_then(|n| n.to_str())
+        {
+            let table = self.mount_table(target)?;
+            let other = mountinfo::device_binds(&table, name)
+                .find(|p| *p != target)
+                .map(Path::to_path_buf);
+            refuse_second_publication(volume, other)?;
+        }
+        if let Some(parent) = target.parent() {
+            create_dir(parent)?;
+        }
+        let created = !exists(target)?;
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(target)
+            .map_err(|source| NodeError::PrepareTarget {
+                path: target.to_path_buf(),
+                source,
+            })?;
+        if let Err(source) = self.kernel.bind_mount(&device.path, target, false) {
+            if created {
+                let _ = fs::remove_file(target);
+            }
+            return Err(NodeError::Mount {
+                target: target.to_path_buf(),
+                source: Box::new(source),
+            });
+        }
+        Ok(Published::Now)
     }
 
     fn already_published(
@@ -605,7 +678,7 @@ impl Engine {
 
     /// NodeUnpublishVolume.
     pub(crate) fn unpublish(&self, target: &Path) -> Result<(), NodeError> {
-        do_unmount(target)?;
+        self.do_unmount(target)?;
         let removed = match fs::symlink_metadata(target) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),
@@ -674,10 +747,13 @@ impl Engine {
             }
         }
         if meta.file_type().is_block_device() {
-            let total = block_device_size(path).map_err(|source| NodeError::DeviceSize {
-                device: path.to_path_buf(),
-                source: Box::new(source),
-            })?;
+            let total = self
+                .kernel
+                .device_size(path)
+                .map_err(|source| NodeError::DeviceSize {
+                    device: path.to_path_buf(),
+                    source: Box::new(source),
+                })?;
             return Ok(Usage {
                 bytes_total: total,
                 bytes_available: None,
@@ -686,16 +762,19 @@ impl Engine {
                 condition,
             });
         }
-        if !mounted(path)? {
+        if !self.mounted(path)? {
             return Err(NodeError::NotMounted {
                 volume: volume.to_string(),
                 path: path.to_path_buf(),
             });
         }
-        let s = volume_stats(path).map_err(|source| NodeError::Stats {
-            path: path.to_path_buf(),
-            source: Box::new(source),
-        })?;
+        let s = self
+            .kernel
+            .volume_stats(path)
+            .map_err(|source| NodeError::Stats {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            })?;
         Ok(Usage {
             bytes_total: s.bytes_total,
             bytes_available: Some(s.bytes_available),
@@ -703,6 +782,20 @@ impl Engine {
             inodes: Some((s.inodes_total, s.inodes_free, s.inodes_used)),
             condition,
         })
+    }
+}
+
+/// Whether a publish found the publication already there or made it now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Published {
+    Already,
+    Now,
+}
+
+fn not_staged(volume: &VolumeId, staging: &Path) -> NodeError {
+    NodeError::NotStaged {
+        volume: volume.to_string(),
+        staging: staging.to_path_buf(),
     }
 }
 

@@ -10,15 +10,12 @@ use std::path::Path;
 use std::thread;
 use std::time::Instant;
 
-use pillar_host::{
-    FsType, POLL_INTERVAL, StageMode, StagePhase, block_device_size, filesystem_bytes,
-    grow_filesystem,
-};
+use pillar_host::{FsType, POLL_INTERVAL, StageMode, StagePhase};
 use pillar_nvmet::VolumeId;
 
 use super::NodeError;
 use super::attach::Device;
-use super::engine::{Engine, exists, mounted};
+use super::engine::{Engine, exists};
 
 /// How much larger than its filesystem a device must be for a stage to grow it: less is a tail
 /// mkfs itself leaves unused (ext4 drops a last block group too small to hold its metadata).
@@ -49,9 +46,9 @@ impl Engine {
         self.rescan(&rec.nqn)?;
         let size = self.wait_for_size(&device.path, required_bytes)?;
         if let StageMode::Filesystem { fs_type } = rec.mode {
-            let mount_path = if mounted(&rec.staging_path)? {
+            let mount_path = if self.mounted(&rec.staging_path)? {
                 rec.staging_path.clone()
-            } else if mounted(volume_path)? {
+            } else if self.mounted(volume_path)? {
                 volume_path.to_path_buf()
             } else {
                 return Err(NodeError::NotMounted {
@@ -59,12 +56,12 @@ impl Engine {
                     path: rec.staging_path,
                 });
             };
-            grow_filesystem(&device.path, &mount_path, fs_type).map_err(|source| {
-                NodeError::Grow {
+            self.kernel
+                .grow_filesystem(&device.path, &mount_path, fs_type)
+                .map_err(|source| NodeError::Grow {
                     device: device.path.clone(),
                     source: Box::new(source),
-                }
-            })?;
+                })?;
         }
         tracing::info!(size, "expanded");
         Ok(size)
@@ -75,10 +72,13 @@ impl Engine {
         let start = Instant::now();
         let timeout = self.cfg.connect_timeout;
         loop {
-            let size = block_device_size(device).map_err(|source| NodeError::DeviceSize {
-                device: device.to_path_buf(),
-                source: Box::new(source),
-            })?;
+            let size = self
+                .kernel
+                .device_size(device)
+                .map_err(|source| NodeError::DeviceSize {
+                    device: device.to_path_buf(),
+                    source: Box::new(source),
+                })?;
             if size >= wanted {
                 return Ok(size);
             }
@@ -107,12 +107,17 @@ impl Engine {
             device: device.path.clone(),
             source: Box::new(source),
         };
-        let fs_bytes = filesystem_bytes(&device.path, fs_type).map_err(grow_err)?;
+        let fs_bytes = self
+            .kernel
+            .filesystem_bytes(&device.path, fs_type)
+            .map_err(grow_err)?;
         let device_bytes =
-            block_device_size(&device.path).map_err(|source| NodeError::DeviceSize {
-                device: device.path.clone(),
-                source: Box::new(source),
-            })?;
+            self.kernel
+                .device_size(&device.path)
+                .map_err(|source| NodeError::DeviceSize {
+                    device: device.path.clone(),
+                    source: Box::new(source),
+                })?;
         if device_bytes <= fs_bytes.saturating_add(GROW_ON_STAGE_SLACK) {
             return Ok(());
         }
@@ -121,6 +126,8 @@ impl Engine {
             device_bytes,
             "filesystem smaller than its device: growing it"
         );
-        grow_filesystem(&device.path, staging, fs_type).map_err(grow_err)
+        self.kernel
+            .grow_filesystem(&device.path, staging, fs_type)
+            .map_err(grow_err)
     }
 }

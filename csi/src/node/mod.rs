@@ -7,6 +7,10 @@
 //! a blocking thread that keeps the lock until the work is really done, even when the caller
 //! gives up. Errors become gRPC statuses in one place ([`code_of`]).
 //!
+//! The engine reaches the kernel (NVMe/TCP connect and sysfs, block devices and filesystems,
+//! mounts, reservations) only through [`Kernel`]: [`HostKernel`], the running system, unless
+//! [`NodeService::with_kernel`] is given another (the simulation's double, `sim/`).
+//!
 //! Rules: N1 (connect with the node's own host NQN and host ID, verify the namespace identity
 //! before touching the device), N2 (stage record written before attaching), N3 (only a blank
 //! device is formatted), N4 (unstage disconnects only this subsystem's controllers of this host),
@@ -18,6 +22,7 @@ mod config;
 mod engine;
 mod error;
 mod expand;
+mod kernel;
 mod request;
 mod reserve;
 
@@ -45,6 +50,7 @@ pub mod fuzzing {
 pub use config::{AttachMode, DEFAULT_CONNECT_TIMEOUT, NodeConfig};
 pub use engine::DEFAULT_FS;
 pub use error::{NodeError, code_of, describe};
+pub use kernel::{HostKernel, Kernel};
 
 use crate::credentials_delivery::client::{CredentialsClient, stage_secrets};
 use crate::csi;
@@ -83,8 +89,16 @@ pub struct NodeService {
 
 impl NodeService {
     /// Checks the configuration and opens the stage record directory
-    /// (`<state_dir>/staged`, created if missing).
+    /// (`<state_dir>/staged`, created if missing); the kernel is the running system's.
     pub fn new(config: NodeConfig) -> Result<Self, NodeError> {
+        let kernel = Arc::new(HostKernel {
+            paths: config.paths.clone(),
+        });
+        Self::with_kernel(config, kernel)
+    }
+
+    /// [`new`](Self::new) over another kernel: the simulation's double (see [`Kernel`]).
+    pub fn with_kernel(config: NodeConfig, kernel: Arc<dyn Kernel>) -> Result<Self, NodeError> {
         if config.node_name.is_empty() || config.node_name.contains('/') {
             return Err(NodeError::Config(format!(
                 "node name {:?} must be non-empty and without '/'",
@@ -115,7 +129,11 @@ impl NodeService {
             );
         }
         Ok(Self {
-            engine: Arc::new(Engine { cfg: config, store }),
+            engine: Arc::new(Engine {
+                cfg: config,
+                store,
+                kernel,
+            }),
             locks: Arc::default(),
             node_id,
             credentials: None,
@@ -153,6 +171,113 @@ impl NodeService {
     }
 }
 
+/// One call's work on the engine, its volume's lock held inside: what the RPC runs on a
+/// blocking thread, and the simulation on its own.
+type Work<T> = Box<dyn FnOnce(&Engine) -> Result<T, NodeError> + Send + 'static>;
+
+/// Each RPC's checks (INVALID_ARGUMENT before anything is touched) and lock (ABORTED on a busy
+/// volume), answering the work that follows them.
+impl NodeService {
+    fn stage_work(&self, req: &csi::NodeStageVolumeRequest) -> Result<Work<()>, NodeError> {
+        let volume = request::volume_id(&req.volume_id)?;
+        let staging = request::path("staging_target_path", &req.staging_target_path)?;
+        let cap = request::capability(req.volume_capability.as_ref())?;
+        let cfg = &self.engine.cfg;
+        let mut ctx = request::stage_context(
+            &volume,
+            &req.publish_context,
+            &cfg.attach,
+            &cfg.host_nqn,
+            cfg.host_id,
+        )?;
+        if let request::AttachTarget::Nvme(opts) = &mut ctx.target {
+            opts.auth = request::stage_auth(&volume, &req.publish_context, &req.secrets)?;
+        }
+        let guard = self.locks.try_lock(&volume)?;
+        Ok(Box::new(move |e| {
+            let _guard = guard;
+            e.stage(&volume, &staging, &cap, &ctx)
+        }))
+    }
+
+    fn unstage_work(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<Work<()>, NodeError> {
+        let volume = request::volume_id(&req.volume_id)?;
+        let staging = request::path("staging_target_path", &req.staging_target_path)?;
+        let guard = self.locks.try_lock(&volume)?;
+        Ok(Box::new(move |e| {
+            let _guard = guard;
+            e.unstage(&volume, &staging)
+        }))
+    }
+
+    fn publish_work(&self, req: &csi::NodePublishVolumeRequest) -> Result<Work<()>, NodeError> {
+        let volume = request::volume_id(&req.volume_id)?;
+        let target = request::path("target_path", &req.target_path)?;
+        let cap = request::capability(req.volume_capability.as_ref())?;
+        let staging = request::path("staging_target_path", &req.staging_target_path)?;
+        let readonly = req.readonly;
+        let guard = self.locks.try_lock(&volume)?;
+        Ok(Box::new(move |e| {
+            let _guard = guard;
+            e.publish(&volume, &staging, &target, &cap, readonly)
+        }))
+    }
+
+    fn unpublish_work(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<Work<()>, NodeError> {
+        let volume = request::volume_id(&req.volume_id)?;
+        let target = request::path("target_path", &req.target_path)?;
+        let guard = self.locks.try_lock(&volume)?;
+        Ok(Box::new(move |e| {
+            let _guard = guard;
+            e.unpublish(&target)
+        }))
+    }
+
+    fn expand_work(&self, req: &csi::NodeExpandVolumeRequest) -> Result<Work<u64>, NodeError> {
+        let volume = request::volume_id(&req.volume_id)?;
+        let path = request::published_path("volume_path", &req.volume_path)?;
+        let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        let required = u64::try_from(required).map_err(|_| NodeError::InvalidField {
+            field: "capacity_range.required_bytes",
+            reason: format!("{required} is negative"),
+        })?;
+        if let Some(cap) = req.volume_capability.as_ref() {
+            request::capability(Some(cap))?;
+        }
+        let guard = self.locks.try_lock(&volume)?;
+        Ok(Box::new(move |e| {
+            let _guard = guard;
+            e.expand(&volume, &path, required)
+        }))
+    }
+}
+
+/// The node calls run on the caller's thread, for the simulation (`sim/`), whose scheduler
+/// must own every step: the same checks, lock and engine as the RPCs, without the blocking
+/// pool. Not part of the crate's API.
+#[doc(hidden)]
+impl NodeService {
+    pub fn stage_inline(&self, req: &csi::NodeStageVolumeRequest) -> Result<(), NodeError> {
+        self.stage_work(req)?(&self.engine)
+    }
+
+    pub fn unstage_inline(&self, req: &csi::NodeUnstageVolumeRequest) -> Result<(), NodeError> {
+        self.unstage_work(req)?(&self.engine)
+    }
+
+    pub fn publish_inline(&self, req: &csi::NodePublishVolumeRequest) -> Result<(), NodeError> {
+        self.publish_work(req)?(&self.engine)
+    }
+
+    pub fn unpublish_inline(&self, req: &csi::NodeUnpublishVolumeRequest) -> Result<(), NodeError> {
+        self.unpublish_work(req)?(&self.engine)
+    }
+
+    pub fn expand_inline(&self, req: &csi::NodeExpandVolumeRequest) -> Result<u64, NodeError> {
+        self.expand_work(req)?(&self.engine)
+    }
+}
+
 /// Where node results become statuses: logs the failure with its cause chain.
 fn respond<T>(result: Result<T, NodeError>) -> Result<Response<T>, Status> {
     match result {
@@ -184,11 +309,13 @@ impl Node for NodeService {
         let req = request.into_inner();
         let span = tracing::info_span!("NodeStageVolume", volume_id = %req.volume_id);
         let result = async {
+            let mut req = req;
+            // The request's own fields first: a malformed one is refused before any network.
             let volume = request::volume_id(&req.volume_id)?;
-            let staging = request::path("staging_target_path", &req.staging_target_path)?;
-            let cap = request::capability(req.volume_capability.as_ref())?;
+            request::path("staging_target_path", &req.staging_target_path)?;
+            request::capability(req.volume_capability.as_ref())?;
             let cfg = &self.engine.cfg;
-            let mut ctx = request::stage_context(
+            request::stage_context(
                 &volume,
                 &req.publish_context,
                 &cfg.attach,
@@ -196,24 +323,17 @@ impl Node for NodeService {
                 cfg.host_id,
             )?;
             // W10: this node's pair from the controller where kubelet passed none.
-            let secrets = stage_secrets(
+            req.secrets = stage_secrets(
                 self.credentials.as_deref(),
                 &cfg.node_name,
                 &cfg.host_nqn,
                 &volume,
                 &req.publish_context,
-                req.secrets,
+                std::mem::take(&mut req.secrets),
             )
             .await?;
-            if let request::AttachTarget::Nvme(opts) = &mut ctx.target {
-                opts.auth = request::stage_auth(&volume, &req.publish_context, &secrets)?;
-            }
-            let guard = self.locks.try_lock(&volume)?;
-            self.blocking(tracing::Span::current(), move |e| {
-                let _guard = guard;
-                e.stage(&volume, &staging, &cap, &ctx)
-            })
-            .await?;
+            let work = self.stage_work(&req)?;
+            self.blocking(tracing::Span::current(), work).await?;
             Ok(csi::NodeStageVolumeResponse {})
         }
         .instrument(span.clone())
@@ -228,14 +348,8 @@ impl Node for NodeService {
         let req = request.into_inner();
         let span = tracing::info_span!("NodeUnstageVolume", volume_id = %req.volume_id);
         let result = async {
-            let volume = request::volume_id(&req.volume_id)?;
-            let staging = request::path("staging_target_path", &req.staging_target_path)?;
-            let guard = self.locks.try_lock(&volume)?;
-            self.blocking(tracing::Span::current(), move |e| {
-                let _guard = guard;
-                e.unstage(&volume, &staging)
-            })
-            .await?;
+            let work = self.unstage_work(&req)?;
+            self.blocking(tracing::Span::current(), work).await?;
             Ok(csi::NodeUnstageVolumeResponse {})
         }
         .instrument(span.clone())
@@ -250,17 +364,8 @@ impl Node for NodeService {
         let req = request.into_inner();
         let span = tracing::info_span!("NodePublishVolume", volume_id = %req.volume_id);
         let result = async {
-            let volume = request::volume_id(&req.volume_id)?;
-            let target = request::path("target_path", &req.target_path)?;
-            let cap = request::capability(req.volume_capability.as_ref())?;
-            let staging = request::path("staging_target_path", &req.staging_target_path)?;
-            let readonly = req.readonly;
-            let guard = self.locks.try_lock(&volume)?;
-            self.blocking(tracing::Span::current(), move |e| {
-                let _guard = guard;
-                e.publish(&volume, &staging, &target, &cap, readonly)
-            })
-            .await?;
+            let work = self.publish_work(&req)?;
+            self.blocking(tracing::Span::current(), work).await?;
             Ok(csi::NodePublishVolumeResponse {})
         }
         .instrument(span.clone())
@@ -275,14 +380,8 @@ impl Node for NodeService {
         let req = request.into_inner();
         let span = tracing::info_span!("NodeUnpublishVolume", volume_id = %req.volume_id);
         let result = async {
-            let volume = request::volume_id(&req.volume_id)?;
-            let target = request::path("target_path", &req.target_path)?;
-            let guard = self.locks.try_lock(&volume)?;
-            self.blocking(tracing::Span::current(), move |e| {
-                let _guard = guard;
-                e.unpublish(&target)
-            })
-            .await?;
+            let work = self.unpublish_work(&req)?;
+            self.blocking(tracing::Span::current(), work).await?;
             Ok(csi::NodeUnpublishVolumeResponse {})
         }
         .instrument(span.clone())
@@ -337,23 +436,8 @@ impl Node for NodeService {
         let req = request.into_inner();
         let span = tracing::info_span!("NodeExpandVolume", volume_id = %req.volume_id);
         let result = async {
-            let volume = request::volume_id(&req.volume_id)?;
-            let path = request::published_path("volume_path", &req.volume_path)?;
-            let required = req.capacity_range.map_or(0, |r| r.required_bytes);
-            let required = u64::try_from(required).map_err(|_| NodeError::InvalidField {
-                field: "capacity_range.required_bytes",
-                reason: format!("{required} is negative"),
-            })?;
-            if let Some(cap) = req.volume_capability.as_ref() {
-                request::capability(Some(cap))?;
-            }
-            let guard = self.locks.try_lock(&volume)?;
-            let size = self
-                .blocking(tracing::Span::current(), move |e| {
-                    let _guard = guard;
-                    e.expand(&volume, &path, required)
-                })
-                .await?;
+            let work = self.expand_work(&req)?;
+            let size = self.blocking(tracing::Span::current(), work).await?;
             Ok(csi::NodeExpandVolumeResponse {
                 capacity_bytes: i64::try_from(size).unwrap_or(i64::MAX),
             })

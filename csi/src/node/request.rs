@@ -178,73 +178,10 @@ pub fn stage_context(
     hostnqn: &HostNqn,
     hostid: Uuid,
 ) -> Result<StageContext, NodeError> {
-    let nqn_text = required(ctx, context::NQN)?;
-    let nqn = SubsystemNqn::parse(nqn_text).map_err(|e| NodeError::InvalidContext {
-        key: context::NQN,
-        value: nqn_text.to_owned(),
-        reason: e.to_string(),
-    })?;
-    let expected = volume.subsystem_nqn();
-    if nqn != expected {
-        return Err(NodeError::NqnMismatch {
-            volume: volume.to_string(),
-            expected: expected.to_string(),
-            found: nqn.to_string(),
-        });
-    }
+    let nqn = context_nqn(volume, ctx)?;
     let target = match mode {
-        AttachMode::NvmeTcp => {
-            let opts = ConnectOptions {
-                traddr: parsed(context::TRADDR, required(ctx, context::TRADDR)?)?,
-                trsvcid: parsed(context::TRSVCID, required(ctx, context::TRSVCID)?)?,
-                nqn: nqn.clone(),
-                hostnqn: hostnqn.clone(),
-                hostid,
-                ctrl_loss_tmo: parsed(
-                    context::CTRL_LOSS_TMO,
-                    required(ctx, context::CTRL_LOSS_TMO)?,
-                )?,
-                reconnect_delay: parsed(
-                    context::RECONNECT_DELAY,
-                    required(ctx, context::RECONNECT_DELAY)?,
-                )?,
-                // Set by the caller from the request's secrets (`stage_auth`), after this
-                // line may have been shown in an error.
-                auth: None,
-            };
-            if opts.ctrl_loss_tmo < -1 {
-                return Err(NodeError::InvalidContext {
-                    key: context::CTRL_LOSS_TMO,
-                    value: opts.ctrl_loss_tmo.to_string(),
-                    reason: "must be -1 (forever) or a number of seconds".into(),
-                });
-            }
-            opts.validate().map_err(|e| NodeError::InvalidContext {
-                key: "connect options",
-                value: opts.options_line(),
-                reason: e.to_string(),
-            })?;
-            AttachTarget::Nvme(opts)
-        }
-        AttachMode::LocalDevice => {
-            let device = required(ctx, context::LOCAL_DEVICE)?;
-            if !Path::new(device).is_absolute() {
-                return Err(NodeError::InvalidContext {
-                    key: context::LOCAL_DEVICE,
-                    value: device.to_owned(),
-                    reason: "must be an absolute path".into(),
-                });
-            }
-            AttachTarget::Local {
-                device: PathBuf::from(device),
-                traddr: optional(ctx, context::TRADDR)
-                    .map(|v| parsed(context::TRADDR, v))
-                    .transpose()?,
-                trsvcid: optional(ctx, context::TRSVCID)
-                    .map(|v| parsed(context::TRSVCID, v))
-                    .transpose()?,
-            }
-        }
+        AttachMode::NvmeTcp => AttachTarget::Nvme(nvme_target(ctx, &nqn, hostnqn, hostid)?),
+        AttachMode::LocalDevice => local_target(ctx)?,
     };
     let fs_type = optional(ctx, context::FS_TYPE)
         .map(|v| {
@@ -282,6 +219,89 @@ pub fn stage_context(
         fs_type,
         mkfs_options,
         read_only,
+    })
+}
+
+/// The context's subsystem NQN, which must be the volume's own.
+fn context_nqn(
+    volume: &VolumeId,
+    ctx: &HashMap<String, String>,
+) -> Result<SubsystemNqn, NodeError> {
+    let nqn_text = required(ctx, context::NQN)?;
+    let nqn = SubsystemNqn::parse(nqn_text).map_err(|e| NodeError::InvalidContext {
+        key: context::NQN,
+        value: nqn_text.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let expected = volume.subsystem_nqn();
+    if nqn != expected {
+        return Err(NodeError::NqnMismatch {
+            volume: volume.to_string(),
+            expected: expected.to_string(),
+            found: nqn.to_string(),
+        });
+    }
+    Ok(nqn)
+}
+
+/// The NVMe/TCP connect options the context names, checked.
+fn nvme_target(
+    ctx: &HashMap<String, String>,
+    nqn: &SubsystemNqn,
+    hostnqn: &HostNqn,
+    hostid: Uuid,
+) -> Result<ConnectOptions, NodeError> {
+    let opts = ConnectOptions {
+        traddr: parsed(context::TRADDR, required(ctx, context::TRADDR)?)?,
+        trsvcid: parsed(context::TRSVCID, required(ctx, context::TRSVCID)?)?,
+        nqn: nqn.clone(),
+        hostnqn: hostnqn.clone(),
+        hostid,
+        ctrl_loss_tmo: parsed(
+            context::CTRL_LOSS_TMO,
+            required(ctx, context::CTRL_LOSS_TMO)?,
+        )?,
+        reconnect_delay: parsed(
+            context::RECONNECT_DELAY,
+            required(ctx, context::RECONNECT_DELAY)?,
+        )?,
+        // Set by the caller from the request's secrets (`stage_auth`), after this line may
+        // have been shown in an error.
+        auth: None,
+    };
+    if opts.ctrl_loss_tmo < -1 {
+        return Err(NodeError::InvalidContext {
+            key: context::CTRL_LOSS_TMO,
+            value: opts.ctrl_loss_tmo.to_string(),
+            reason: "must be -1 (forever) or a number of seconds".into(),
+        });
+    }
+    opts.validate().map_err(|e| NodeError::InvalidContext {
+        key: "connect options",
+        value: opts.options_line(),
+        reason: e.to_string(),
+    })?;
+    Ok(opts)
+}
+
+/// The single-machine mode's local device the context names.
+fn local_target(ctx: &HashMap<String, String>) -> Result<AttachTarget, NodeError> {
+    let device = required(ctx, context::LOCAL_DEVICE)?;
+    if !Path::new(device).is_absolute() {
+        return Err(NodeError::InvalidContext {
+            key: context::LOCAL_DEVICE,
+            value: device.to_owned(),
+            reason: "must be an absolute path".into(),
+        });
+    }
+    Ok(AttachTarget::Local {
+        device: PathBuf::from(device),
+        traddr: optional(ctx, context::TRADDR)
+            .map(|v| parsed(context::TRADDR, v))
+            .transpose()?,
+        trsvcid: optional(ctx, context::TRSVCID)
+            .map(|v| parsed(context::TRSVCID, v))
+            .transpose()?,
     })
 }
 

@@ -54,7 +54,9 @@ impl Engine {
         if self.cfg.attach != AttachMode::NvmeTcp {
             return Ok(());
         }
-        let held = resv::hold_write_exclusive(&device.path, &self.cfg.host_id, self.key(), true)
+        let held = self
+            .kernel
+            .hold_write_exclusive(&device.path, &self.cfg.host_id, self.key(), true)
             .map_err(|source| NodeError::Reservation {
                 volume: volume.to_string(),
                 source: Box::new(source),
@@ -79,7 +81,10 @@ impl Engine {
                 ));
             }
         };
-        match resv::hold_write_exclusive(&device.path, &self.cfg.host_id, self.key(), false) {
+        match self
+            .kernel
+            .hold_write_exclusive(&device.path, &self.cfg.host_id, self.key(), false)
+        {
             Ok(held) => {
                 log_held(&held, false);
                 None
@@ -106,7 +111,10 @@ impl Engine {
                 return;
             }
         };
-        match resv::release_and_unregister(&device.path, &self.cfg.host_id) {
+        match self
+            .kernel
+            .release_and_unregister(&device.path, &self.cfg.host_id)
+        {
             Ok(true) => tracing::info!("NVMe reservation released and key unregistered"),
             Ok(false) => tracing::debug!("no NVMe reservation or registration to release"),
             Err(e) => tracing::warn!(error = %crate::error_chain(&e),

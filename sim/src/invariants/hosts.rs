@@ -2,19 +2,8 @@
 
 use std::collections::BTreeMap;
 
-use pillar_nvmet::SubsystemNqn;
-
 use super::{Invariant, View, Violation, violation};
-use crate::host::lock_host;
-
-/// The volume ID a subsystem NQN names.
-fn volume_of(nqn: &str) -> String {
-    SubsystemNqn::parse(nqn)
-        .ok()
-        .and_then(|n| n.volume_id().ok())
-        .map(|v| v.to_string())
-        .unwrap_or_default()
-}
+use crate::host::{lock_host, volume_of};
 
 /// Invariants 6 and 7.
 pub(super) fn check(view: View<'_>) -> Option<Violation> {
@@ -22,8 +11,8 @@ pub(super) fn check(view: View<'_>) -> Option<Violation> {
     let mut writers: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for host in view.hosts {
         let h = lock_host(host);
-        for staged in h.mounts.values() {
-            if !h.live(staged, view.targets) {
+        for staged in h.staged().values() {
+            if !h.live(staged) {
                 continue;
             }
             let volume = volume_of(&staged.nqn);
