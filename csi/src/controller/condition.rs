@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use pillar_state::condition::{
     ACL_DISABLED, AUTH_DISABLED, Condition, ConditionChange, ConditionStatus, REVOKING,
-    find_condition, now, set_condition,
+    find_condition, set_condition,
 };
 use pillar_state::crd::{PillarProtocol, PillarVolumeStateStatus};
 use pillar_state::store::{EventType, VolumeEvent};
@@ -132,9 +132,10 @@ pub fn set_enforced_conditions(
     protocol: &str,
     mode: Enforced,
     generation: Option<i64>,
+    at: &str,
 ) -> (ConditionChange, ConditionChange) {
-    let acl = set_acl_condition(status, protocol, mode.acl, generation);
-    let auth = set_auth_condition(status, protocol, mode, generation);
+    let acl = set_acl_condition(status, protocol, mode.acl, generation, at);
+    let auth = set_auth_condition(status, protocol, mode, generation, at);
     (acl, auth)
 }
 
@@ -144,6 +145,7 @@ fn set_auth_condition(
     protocol: &str,
     mode: Enforced,
     generation: Option<i64>,
+    at: &str,
 ) -> ConditionChange {
     let (state, reason, message) = match (mode.acl, mode.auth) {
         (true, true) => (
@@ -168,7 +170,7 @@ fn set_auth_condition(
     };
     set_condition(
         &mut status.conditions,
-        Condition::new(AUTH_DISABLED, state, reason, message, generation, now()),
+        Condition::new(AUTH_DISABLED, state, reason, message, generation, at),
     )
 }
 
@@ -181,6 +183,7 @@ pub fn set_acl_condition(
     protocol: &str,
     acl: bool,
     generation: Option<i64>,
+    at: &str,
 ) -> ConditionChange {
     let condition = if acl {
         Condition::new(
@@ -192,7 +195,7 @@ pub fn set_acl_condition(
                  only the host NQNs of published nodes"
             ),
             generation,
-            now(),
+            at,
         )
     } else {
         Condition::new(
@@ -201,7 +204,7 @@ pub fn set_acl_condition(
             REASON_ACL_OFF,
             acl_off_message(protocol),
             generation,
-            now(),
+            at,
         )
     };
     set_condition(&mut status.conditions, condition)
@@ -213,9 +216,10 @@ pub fn set_acl_condition(
 pub fn clear_acl_condition_if_unpublished(
     status: &mut PillarVolumeStateStatus,
     generation: Option<i64>,
+    at: &str,
 ) -> ConditionChange {
-    let acl = clear_if_unpublished(status, ACL_DISABLED, generation);
-    clear_if_unpublished(status, AUTH_DISABLED, generation);
+    let acl = clear_if_unpublished(status, ACL_DISABLED, generation, at);
+    clear_if_unpublished(status, AUTH_DISABLED, generation, at);
     acl
 }
 
@@ -223,6 +227,7 @@ fn clear_if_unpublished(
     status: &mut PillarVolumeStateStatus,
     type_: &str,
     generation: Option<i64>,
+    at: &str,
 ) -> ConditionChange {
     if !status.published_nodes.is_empty() || find_condition(&status.conditions, type_).is_none() {
         return ConditionChange::Unchanged;
@@ -235,7 +240,7 @@ fn clear_if_unpublished(
             REASON_NOT_PUBLISHED,
             "no publication is recorded",
             generation,
-            now(),
+            at,
         ),
     )
 }
@@ -246,6 +251,7 @@ fn clear_if_unpublished(
 pub fn set_revoking_condition(
     status: &mut PillarVolumeStateStatus,
     generation: Option<i64>,
+    at: &str,
 ) -> ConditionChange {
     let nodes: Vec<&str> = status
         .published_nodes
@@ -263,7 +269,7 @@ pub fn set_revoking_condition(
             REASON_NO_REVOKE,
             "no unpublish waits for a revoke",
             generation,
-            now(),
+            at,
         )
     } else {
         Condition::new(
@@ -277,7 +283,7 @@ pub fn set_revoking_condition(
                 nodes.join(", ")
             ),
             generation,
-            now(),
+            at,
         )
     };
     set_condition(&mut status.conditions, condition)
@@ -380,6 +386,7 @@ impl Controller {
         mode: Enforced,
     ) -> Result<(), ControllerError> {
         let unchanged = (ConditionChange::Unchanged, ConditionChange::Unchanged);
+        let at = self.condition_time();
         let (_, (acl, auth)) = self
             .compare_and_swap(volume, uid, |current| {
                 let mut status = current.status_or_default();
@@ -391,6 +398,7 @@ impl Controller {
                     protocol,
                     mode,
                     current.metadata.generation,
+                    &at,
                 );
                 if changes == unchanged {
                     return Ok((Write::Nothing, changes));
@@ -481,6 +489,8 @@ mod tests {
 
     use super::*;
 
+    const T: &str = "2026-01-01T00:00:00Z";
+
     fn published() -> PillarVolumeStateStatus {
         PillarVolumeStateStatus {
             published_nodes: vec![PublishedNode {
@@ -500,7 +510,7 @@ mod tests {
     #[test]
     fn acl_condition_follows_the_protocol() {
         let mut s = published();
-        let change = set_acl_condition(&mut s, "nvme-tcp", false, Some(1));
+        let change = set_acl_condition(&mut s, "nvme-tcp", false, Some(1), T);
         assert!(change.is_transition());
         assert!(is_condition_true(&s.conditions, ACL_DISABLED));
         let c = &s.conditions[0];
@@ -513,12 +523,12 @@ mod tests {
         assert_eq!(c.observed_generation, Some(1));
         let first = c.last_transition_time.clone();
         assert_eq!(
-            set_acl_condition(&mut s, "nvme-tcp", false, Some(1)),
+            set_acl_condition(&mut s, "nvme-tcp", false, Some(1), T),
             ConditionChange::Unchanged
         );
         assert_eq!(s.conditions[0].last_transition_time, first);
         assert_eq!(
-            set_acl_condition(&mut s, "nvme-tcp", true, Some(1)),
+            set_acl_condition(&mut s, "nvme-tcp", true, Some(1), T),
             ConditionChange::Transitioned
         );
         assert!(!is_condition_true(&s.conditions, ACL_DISABLED));
@@ -538,7 +548,7 @@ mod tests {
     fn auth_condition_says_what_the_target_enforces() {
         let mut s = published();
         assert_eq!(enforced(&s), None);
-        let (_, auth) = set_enforced_conditions(&mut s, "p", mode(true, false), Some(1));
+        let (_, auth) = set_enforced_conditions(&mut s, "p", mode(true, false), Some(1), T);
         assert!(auth.is_transition());
         let c = find_condition(&s.conditions, AUTH_DISABLED).unwrap();
         assert_eq!(
@@ -551,7 +561,7 @@ mod tests {
         );
         assert!(c.message.contains("W10"));
         assert_eq!(enforced(&s), Some(mode(true, false)));
-        let (acl, auth) = set_enforced_conditions(&mut s, "p", mode(true, true), Some(1));
+        let (acl, auth) = set_enforced_conditions(&mut s, "p", mode(true, true), Some(1), T);
         assert_eq!(
             (acl, auth),
             (ConditionChange::Unchanged, ConditionChange::Transitioned)
@@ -562,7 +572,7 @@ mod tests {
             (ConditionStatus::False, REASON_AUTH_DHCHAP)
         );
         assert_eq!(enforced(&s), Some(mode(true, true)));
-        set_enforced_conditions(&mut s, "p", mode(false, false), Some(1));
+        set_enforced_conditions(&mut s, "p", mode(false, false), Some(1), T);
         let c = find_condition(&s.conditions, AUTH_DISABLED).unwrap();
         assert_eq!(
             (c.status, c.reason.as_str()),
@@ -572,11 +582,11 @@ mod tests {
         assert_eq!(enforced(&s), Some(mode(false, false)));
         // A record from before AuthDisabled (AclDisabled alone) is not known: exported again.
         let mut old = published();
-        set_acl_condition(&mut old, "p", true, None);
+        set_acl_condition(&mut old, "p", true, None, T);
         assert_eq!(enforced(&old), None);
         // Cleared with the last publication, both of them.
         s.published_nodes.clear();
-        clear_acl_condition_if_unpublished(&mut s, None);
+        clear_acl_condition_if_unpublished(&mut s, None, T);
         for t in [ACL_DISABLED, AUTH_DISABLED] {
             let c = find_condition(&s.conditions, t).unwrap();
             assert_eq!(
@@ -591,22 +601,22 @@ mod tests {
     #[test]
     fn acl_condition_clears_with_the_last_publication() {
         let mut s = published();
-        set_acl_condition(&mut s, "nvme-tcp", false, None);
+        set_acl_condition(&mut s, "nvme-tcp", false, None, T);
         assert_eq!(
-            clear_acl_condition_if_unpublished(&mut s, None),
+            clear_acl_condition_if_unpublished(&mut s, None, T),
             ConditionChange::Unchanged
         );
         assert!(is_condition_true(&s.conditions, ACL_DISABLED));
         s.published_nodes.clear();
         assert_eq!(
-            clear_acl_condition_if_unpublished(&mut s, None),
+            clear_acl_condition_if_unpublished(&mut s, None, T),
             ConditionChange::Transitioned
         );
         assert_eq!(s.conditions[0].status, ConditionStatus::False);
         assert_eq!(s.conditions[0].reason, REASON_NOT_PUBLISHED);
         let mut never = PillarVolumeStateStatus::default();
         assert_eq!(
-            clear_acl_condition_if_unpublished(&mut never, None),
+            clear_acl_condition_if_unpublished(&mut never, None, T),
             ConditionChange::Unchanged
         );
         assert!(never.conditions.is_empty());

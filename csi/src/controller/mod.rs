@@ -51,6 +51,7 @@ mod topology;
 use std::sync::Arc;
 
 use pillar_lock_by_id::LockById;
+use pillar_state::clock::{SystemClock, WallClock, condition_time};
 use pillar_state::store::StateStore;
 use tokio::sync::Mutex;
 
@@ -97,13 +98,25 @@ pub struct Controller {
     /// One call at a time per volume ID in this process.
     locks: LockById<String>,
     resync_lock: Mutex<()>,
-    /// When the resync loop last scanned every volume (revokes pending, acl edits).
-    volumes_scanned: Mutex<Option<std::time::Instant>>,
+    /// When the resync loop last scanned every volume (revokes pending, acl edits): tokio's
+    /// clock, which the simulation controls.
+    volumes_scanned: Mutex<Option<tokio::time::Instant>>,
+    /// The time of day the records' conditions and statuses carry.
+    clock: Arc<dyn WallClock>,
 }
 
 impl Controller {
     /// A controller over `store`, reaching agents through `agents`.
     pub fn new(store: Arc<dyn StateStore>, agents: Arc<Agents>) -> Arc<Self> {
+        Self::with_clock(store, agents, Arc::new(SystemClock))
+    }
+
+    /// A controller that reads the time of day from `clock` (the simulation's follows tokio's).
+    pub fn with_clock(
+        store: Arc<dyn StateStore>,
+        agents: Arc<Agents>,
+        clock: Arc<dyn WallClock>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             store,
             metrics: Arc::new(ControllerMetrics::new()),
@@ -111,7 +124,13 @@ impl Controller {
             locks: LockById::new(),
             resync_lock: Mutex::new(()),
             volumes_scanned: Mutex::new(None),
+            clock,
         })
+    }
+
+    /// Now, as a condition's transition time.
+    pub(crate) fn condition_time(&self) -> String {
+        condition_time(self.clock.now())
     }
 
     /// This controller's metrics (served by [`metrics::serve_metrics`]).

@@ -428,6 +428,7 @@ impl Controller {
         publication: &PublishedNode,
     ) -> Result<Option<u64>, ControllerError> {
         let (name, uid) = (&target.name, &target.uid);
+        let at = self.condition_time();
         let (_, generation) = self
             .compare_and_swap(name, uid, |current| {
                 let mut status = current.status_or_default();
@@ -441,7 +442,7 @@ impl Controller {
                 p.revoking = true;
                 status.publication_generation += 1;
                 let generation = status.publication_generation;
-                set_revoking_condition(&mut status, current.metadata.generation);
+                set_revoking_condition(&mut status, current.metadata.generation, &at);
                 Ok((Write::Status(status), Some(generation)))
             })
             .await?;
@@ -456,6 +457,7 @@ impl Controller {
         publication: &PublishedNode,
     ) -> Result<(), ControllerError> {
         let (name, uid) = (&target.name, &target.uid);
+        let at = self.condition_time();
         self.compare_and_swap(name, uid, |current| {
             let mut status = current.status_or_default();
             let before = status.published_nodes.len();
@@ -465,8 +467,8 @@ impl Controller {
             let write = if status.published_nodes.len() == before {
                 Write::Nothing
             } else {
-                clear_acl_condition_if_unpublished(&mut status, current.metadata.generation);
-                set_revoking_condition(&mut status, current.metadata.generation);
+                clear_acl_condition_if_unpublished(&mut status, current.metadata.generation, &at);
+                set_revoking_condition(&mut status, current.metadata.generation, &at);
                 Write::Status(status)
             };
             Ok((write, ()))

@@ -387,7 +387,7 @@ impl Controller {
     async fn record_agent_status(&self, agent: &PillarAgent, seen: Seen) {
         let name = agent.metadata.name.clone().unwrap_or_default();
         let current = agent.status.clone().unwrap_or_default();
-        let now = pillar_state::condition::now();
+        let now = self.condition_time();
         let mut next = current.clone();
         if next.state != seen.state {
             next.state = seen.state.to_owned();
@@ -437,7 +437,7 @@ impl Controller {
             if last.is_some_and(|t| t.elapsed() < VOLUME_SCAN_EVERY) {
                 return;
             }
-            *last = Some(std::time::Instant::now());
+            *last = Some(tokio::time::Instant::now());
         }
         match self.store.list_volumes().await {
             Ok(volumes) => {

@@ -149,14 +149,6 @@ pub fn remove_condition(conditions: &mut Vec<Condition>, type_: &str) -> bool {
     conditions.len() != before
 }
 
-/// The current time as a condition's `lastTransitionTime`: RFC 3339 in UTC, whole seconds (the
-/// precision of `metav1.Time`).
-pub fn now() -> String {
-    k8s_openapi::jiff::Timestamp::now()
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
-        .to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,13 +274,5 @@ mod tests {
         assert!(json.get("observedGeneration").is_none());
         let back: Condition = serde_json::from_value(json).unwrap();
         assert_eq!(back, no_generation);
-    }
-
-    #[test]
-    fn now_is_rfc3339_in_whole_seconds() {
-        let t = now();
-        assert_eq!(t.len(), "2026-01-01T00:00:00Z".len(), "{t}");
-        assert!(t.ends_with('Z'), "{t}");
-        assert!(t.parse::<k8s_openapi::jiff::Timestamp>().is_ok(), "{t}");
     }
 }

@@ -1,6 +1,8 @@
 //! pillar: PillarVolumeState, PillarAgent and PillarProtocol records and their compare-and-swap
 //! stores.
 //!
+//! - [`clock`]: the wall clock the controller reads ([`clock::WallClock`]), the machine's or
+//!   one that moves with tokio's (the simulation).
 //! - [`condition`]: status conditions in the shape of `metav1.Condition`, and
 //!   [`set_condition`](condition::set_condition), which replaces one by type.
 //! - [`crd`]: the four custom resources (group `pillar-csi.io`, version `v1alpha1`).
@@ -27,6 +29,7 @@
 //! `kube_store` and `faults` sit on `store` alone; `store` reaches down only to `object`, `crd`
 //! and `embedded_error`.
 
+pub mod clock;
 pub mod condition;
 pub mod core;
 pub mod crd;
