@@ -23,6 +23,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pillar_state::clock::{SystemClock, WallClock};
 use pillar_state::lease::{Elector, Leadership};
 use pillar_state::store::StateStore;
 use tokio::sync::oneshot;
@@ -121,6 +122,7 @@ pub struct ControllerBuilder {
     resync: Option<(Duration, Leader)>,
     metrics_listen: Option<SocketAddr>,
     credentials: Option<Bound>,
+    clock: Arc<dyn WallClock>,
 }
 
 /// A wired controller: its resync loop and elector (if any) running, its metrics (if any)
@@ -144,7 +146,15 @@ impl ControllerBuilder {
             resync: None,
             metrics_listen: None,
             credentials: None,
+            clock: Arc::new(SystemClock),
         }
+    }
+
+    /// Reads the time of day from `clock` (the machine's by default; the simulation's moves
+    /// with tokio's paused clock, so its seed decides the times the records carry).
+    pub fn clock(mut self, clock: Arc<dyn WallClock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// Serves the credentials endpoint (a node's DH-HMAC-CHAP pair to that node) on its bound
@@ -171,7 +181,7 @@ impl ControllerBuilder {
     /// endpoint, then the elector and the resync loop (last, so a listener that cannot bind
     /// leaves no Lease held).
     pub async fn build(self) -> Result<WiredController, MetricsError> {
-        let controller = Controller::new(self.store, self.reach.agents());
+        let controller = Controller::with_clock(self.store, self.reach.agents(), self.clock);
         let mut metrics = None;
         if let Some(addr) = self.metrics_listen {
             let bound = serve_metrics(addr, controller.metrics(), std::future::pending()).await?;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use pillar_agent::blocking::Deferral;
 use pillar_csi::controller::Controller;
 use pillar_csi::root::{AgentReach, ControllerBuilder};
+use pillar_state::clock::{Timestamp, TokioClock, WallClock};
 use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PillarVolumeState, PoolRef};
 use pillar_state::{MemoryStore, StateStore};
 
@@ -157,6 +158,8 @@ pub(crate) struct World {
 /// seed, nearly always (most steps make no durable write on that agent); a loss still armed
 /// when the steps end is cut then, before the drain.
 const POWER_LOSS_STEPS: u64 = 1_000;
+/// The time of day at a seed's start, the same for every seed.
+const SIM_EPOCH: Timestamp = Timestamp::constant(1_767_225_600, 0);
 
 /// The storage node `i`'s agent record.
 fn agent_spec(name: &str, address: IpAddr) -> PillarAgentSpec {
@@ -248,10 +251,14 @@ impl World {
             .map(|a| (a.name.clone(), Arc::clone(&a.link)))
             .collect();
         let dial = dialer(Arc::new(links));
+        // The records' times follow the paused runtime's clock from a fixed epoch: the seed
+        // decides them, as it decides the resync intervals and the Lease deadlines.
+        let clock: Arc<dyn WallClock> = Arc::new(TokioClock::starting_at(SIM_EPOCH));
         let mut replicas = Vec::new();
         for r in 0..2 {
             let store = replica_store(Arc::clone(&store) as Arc<dyn StateStore>, chaos.clone(), r);
             let wired = ControllerBuilder::new(store, AgentReach::Dialer(Arc::clone(&dial)))
+                .clock(Arc::clone(&clock))
                 .build()
                 .await?;
             replicas.push(wired.controller());

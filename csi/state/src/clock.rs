@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use k8s_openapi::jiff::Timestamp;
+pub use k8s_openapi::jiff::Timestamp;
 
 /// Where the controller reads the time of day.
 pub trait WallClock: Send + Sync + fmt::Debug {
