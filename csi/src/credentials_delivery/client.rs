@@ -6,7 +6,7 @@
 //! Invariants:
 //! - Fail closed: an endpoint that cannot be reached, answers late or refuses, a token or CA
 //!   file that cannot be read, or an answer for another node or host NQN or with a malformed
-//!   secret fails the stage ([`NodeError::CredentialsNotDelivered`], naming the missing secret;
+//!   secret fails the stage (the node's `CredentialsNotDelivered`, naming the missing secret;
 //!   UNAVAILABLE where a retry may help, FAILED_PRECONDITION otherwise), before anything of the
 //!   stage is done: never a connect without the secret.
 //! - The controller's certificate is checked against the CA file, for the server name given
@@ -17,7 +17,6 @@
 //!   [`MAX_ANSWER_BYTES`], the whole exchange within the configured timeout.
 //! - Never logs the token or a secret.
 
-use std::collections::HashMap;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -28,7 +27,6 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 use super::proto::GetNodeCredentialsRequest;
 use super::proto::node_credentials_client::NodeCredentialsClient;
 use crate::context;
-use crate::node::NodeError;
 
 /// The largest token file read (a projected token is about 1 KiB).
 pub const MAX_TOKEN_BYTES: u64 = 64 * 1024;
@@ -264,40 +262,4 @@ impl CredentialsClient {
             ctrl_secret,
         })
     }
-}
-
-/// NodeStageVolume's `secrets`, completed with this node's pair from the controller where the
-/// publish context requires DH-HMAC-CHAP and kubelet passed no node secret, and `client` is
-/// configured; unchanged otherwise (the stage's own checks then decide). The one call the node
-/// service makes into this module.
-pub async fn stage_secrets(
-    client: Option<&CredentialsClient>,
-    node: &str,
-    host_nqn: &HostNqn,
-    volume: &VolumeId,
-    publish_context: &HashMap<String, String>,
-    mut secrets: HashMap<String, String>,
-) -> Result<HashMap<String, String>, NodeError> {
-    let wanted = publish_context.get(context::AUTH).map(String::as_str) == Some("dhchap")
-        && secrets
-            .get(context::SECRET_DHCHAP)
-            .is_none_or(String::is_empty);
-    let Some(client) = client.filter(|_| wanted) else {
-        return Ok(secrets);
-    };
-    let delivered = client
-        .fetch(node, host_nqn, volume)
-        .await
-        .map_err(|source| NodeError::CredentialsNotDelivered {
-            volume: volume.to_string(),
-            key: context::SECRET_DHCHAP,
-            source: Box::new(source),
-        })?;
-    tracing::info!(endpoint = %client.endpoint, "this node's DH-HMAC-CHAP pair was delivered by the controller");
-    secrets.insert(context::SECRET_DHCHAP.to_owned(), delivered.secret);
-    match delivered.ctrl_secret {
-        Some(ctrl) => secrets.insert(context::SECRET_DHCHAP_CTRL.to_owned(), ctrl),
-        None => secrets.remove(context::SECRET_DHCHAP_CTRL),
-    };
-    Ok(secrets)
 }

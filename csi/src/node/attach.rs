@@ -5,7 +5,6 @@
 //! against the kernel's sysfs in production and in the VM tests, and against a fake sysfs tree in
 //! the unit tests: only [`pillar_host::HostPaths`] differs.
 
-use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -17,24 +16,9 @@ use pillar_nvmet::{NamespaceId, NamespaceIdentity, SubsystemNqn, VolumeId};
 
 use super::NodeError;
 use super::config::AttachMode;
+use super::device::{Condition, Device};
 use super::engine::Engine;
 use super::request::AttachTarget;
-
-/// A volume's block device, found and (for NVMe) verified.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Device {
-    /// The device node.
-    pub path: PathBuf,
-    /// What the stage record keeps as a hint: the NVMe disk name, or the local device path.
-    pub hint: String,
-}
-
-/// A volume's health, for NodeGetVolumeStats.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Condition {
-    pub abnormal: bool,
-    pub message: String,
-}
 
 fn describe_states(ctrls: &[ControllerInfo]) -> String {
     if ctrls.is_empty() {

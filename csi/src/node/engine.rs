@@ -14,8 +14,8 @@ use pillar_nvmet::VolumeId;
 use pillar_state::crd::AccessMode;
 
 use super::NodeError;
-use super::attach::{Condition, Device};
 use super::config::NodeConfig;
+use super::device::{Condition, Device, wants_reservation};
 use super::kernel::Kernel;
 use super::request::{Access, AttachTarget, Capability, StageContext};
 
@@ -288,7 +288,7 @@ impl Engine {
             phase: StagePhase::Connecting,
             reservation: self.cfg.reservations
                 && matches!(ctx.target, AttachTarget::Nvme(_))
-                && super::reserve::wants_reservation(cap, read_only),
+                && wants_reservation(cap, read_only),
         }
     }
 

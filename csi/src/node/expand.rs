@@ -14,7 +14,7 @@ use pillar_host::{FsType, POLL_INTERVAL, StageMode, StagePhase};
 use pillar_nvmet::VolumeId;
 
 use super::NodeError;
-use super::attach::Device;
+use super::device::Device;
 use super::engine::{Engine, exists};
 
 /// How much larger than its filesystem a device must be for a stage to grow it: less is a tail

@@ -19,6 +19,8 @@
 
 mod attach;
 mod config;
+mod credentials;
+mod device;
 mod engine;
 mod error;
 mod expand;
@@ -40,11 +42,11 @@ use tracing::Instrument as _;
 /// the crate's API.
 #[doc(hidden)]
 pub mod fuzzing {
+    pub use super::device::wants_reservation;
     pub use super::request::{
         AttachTarget, StageContext, capability, path, published_path, stage_auth, stage_context,
         stage_read_only, volume_id,
     };
-    pub use super::reserve::wants_reservation;
 }
 
 pub use config::{AttachMode, DEFAULT_CONNECT_TIMEOUT, NodeConfig};
@@ -52,10 +54,11 @@ pub use engine::DEFAULT_FS;
 pub use error::{NodeError, code_of, describe};
 pub use kernel::{HostKernel, Kernel};
 
-use crate::credentials_delivery::client::{CredentialsClient, stage_secrets};
+use crate::credentials_delivery::client::CredentialsClient;
 use crate::csi;
 use crate::csi::node_server::{Node, NodeServer};
 use crate::node_id::NodeId;
+use credentials::stage_secrets;
 use engine::Engine;
 
 /// The topology key a node's segment is published under.

@@ -29,20 +29,12 @@ use pillar_host::resv::{self, Held};
 use pillar_nvmet::VolumeId;
 
 use super::NodeError;
-use super::attach::Device;
 use super::config::AttachMode;
+use super::device::Device;
 use super::engine::Engine;
-use crate::capability::Capability;
 
 /// Set once "no reservations on this target" has been logged by this process.
 static UNSUPPORTED_LOGGED: AtomicBool = AtomicBool::new(false);
-
-/// Whether a stage with `cap` (read-only when `read_only`) takes the reservation: a read-write
-/// stage of a single-node mode (SINGLE_NODE_WRITER, SINGLE_NODE_SINGLE_WRITER, and
-/// SINGLE_NODE_MULTI_WRITER, whose writers all share this one host and its reservation).
-pub fn wants_reservation(cap: &Capability, read_only: bool) -> bool {
-    !read_only && !cap.reader_only() && !cap.mode.is_multi_node()
-}
 
 impl Engine {
     fn key(&self) -> u64 {
@@ -143,46 +135,5 @@ fn log_held(held: &Held, stage: bool) {
         Held::Acquired { preempted: None } => tracing::warn!(
             "NVMe Write Exclusive reservation acquired again (the target forgot it: restarted?)"
         ),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::capability::Access;
-    use pillar_state::crd::AccessMode;
-
-    fn cap(mode: AccessMode) -> Capability {
-        Capability {
-            mode,
-            access: Access::Block,
-        }
-    }
-
-    // proves W9 (which stages take the reservation: single-node read-write only)
-    #[test]
-    fn only_single_node_read_write_stages_take_the_reservation() {
-        assert!(wants_reservation(&cap(AccessMode::SingleNodeWriter), false));
-        assert!(wants_reservation(
-            &cap(AccessMode::SingleNodeSingleWriter),
-            false
-        ));
-        assert!(wants_reservation(
-            &cap(AccessMode::SingleNodeMultiWriter),
-            false
-        ));
-        assert!(!wants_reservation(&cap(AccessMode::SingleNodeWriter), true));
-        assert!(!wants_reservation(
-            &cap(AccessMode::SingleNodeReaderOnly),
-            false
-        ));
-        assert!(!wants_reservation(
-            &cap(AccessMode::MultiNodeReaderOnly),
-            false
-        ));
-        assert!(!wants_reservation(
-            &cap(AccessMode::MultiNodeSingleWriter),
-            false
-        ));
     }
 }
