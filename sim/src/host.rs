@@ -16,7 +16,6 @@
 //! its controller: only then can it read or write it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -27,48 +26,7 @@ use pillar_nvmet::{HostNqn, SubsystemNqn};
 
 use crate::chaos::Chaos;
 use crate::kernel::SimKernel;
-
-/// Each agent's target: its NVMe address, its name and its configfs double's root.
-pub type Targets = Arc<BTreeMap<IpAddr, (String, PathBuf)>>;
-
-/// The NVMe reservations of every target: per (agent, subsystem NQN) the key of the host that
-/// holds Write Exclusive. Kernel memory: an agent's node losing power loses its entries.
-#[derive(Debug, Default)]
-pub struct Reservations(Mutex<BTreeMap<(String, String), u64>>);
-
-impl Reservations {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<(String, String), u64>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The holder's key of `nqn` at `agent`.
-    pub fn holder(&self, agent: &str, nqn: &str) -> Option<u64> {
-        self.lock()
-            .get(&(agent.to_owned(), nqn.to_owned()))
-            .copied()
-    }
-
-    /// `key` holds `nqn` at `agent` (an acquire, or a preempt-and-abort).
-    pub fn set(&self, agent: &str, nqn: &str, key: u64) {
-        self.lock().insert((agent.to_owned(), nqn.to_owned()), key);
-    }
-
-    /// `key` releases `nqn` at `agent`; whether it held it.
-    pub fn release(&self, agent: &str, nqn: &str, key: u64) -> bool {
-        let mut held = self.lock();
-        let at = (agent.to_owned(), nqn.to_owned());
-        if held.get(&at) == Some(&key) {
-            held.remove(&at);
-            return true;
-        }
-        false
-    }
-
-    /// The target of `agent` lost its memory.
-    pub fn forget(&self, agent: &str) {
-        self.lock().retain(|(a, _), _| a != agent);
-    }
-}
+pub use crate::targets::{Reservations, Targets};
 
 /// A volume staged on a host, as its kernel shows it.
 #[derive(Clone, Debug)]

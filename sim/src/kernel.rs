@@ -39,7 +39,7 @@ use pillar_host::{
 };
 use pillar_nvmet::{ConfigfsDouble, HostNqn, Nguid, SubsystemNqn, parse_uuid};
 
-use crate::host::{Reservations, Targets};
+use crate::targets::{Reservations, Targets};
 
 /// The major number of NVMe namespace devices.
 const NVME_MAJOR: u32 = 259;

@@ -44,16 +44,21 @@
 //! deleted.
 
 pub mod chaos;
+pub mod error;
 pub mod host;
 pub mod invariants;
 pub mod kernel;
 pub mod node;
 mod ops;
 pub mod rng;
+pub mod run;
 pub mod store;
+pub mod targets;
 pub mod transport;
 pub mod world;
 
 pub use chaos::{Fault, FaultCounts, Knobs};
+pub use error::SimError;
 pub use invariants::{Invariant, Violation};
-pub use world::{Config, SeedOutcome, SimError, run_seed};
+pub use run::run_seed;
+pub use world::{Config, SeedOutcome};

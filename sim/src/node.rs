@@ -320,7 +320,7 @@ impl SimAgent {
     }
 
     /// Starts a new incarnation (it waits for the controller's resync, C3).
-    pub async fn start(&mut self) -> Result<(), crate::world::SimError> {
+    pub async fn start(&mut self) -> Result<(), crate::error::SimError> {
         let metrics = Arc::new(Metrics::new());
         let recorder = match &self.recorder {
             Some(r) => r.clone(),

@@ -3,11 +3,9 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use pillar_agent::blocking::Deferral;
 use pillar_csi::controller::Controller;
 use pillar_csi::root::{AgentReach, ControllerBuilder};
 use pillar_state::clock::{Timestamp, TokioClock, WallClock};
@@ -15,10 +13,10 @@ use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PillarVolu
 use pillar_state::{MemoryStore, StateStore};
 
 use crate::chaos::{Chaos, Fault, FaultCounts, Knobs};
+use crate::error::SimError;
 use crate::host::{Fabric, Publication, Reservations, SharedHost, SimHost, Targets};
 use crate::invariants::{Checker, View, Violation};
 use crate::node::{POOL, PowerGrid, SimAgent};
-use crate::ops::{self, Draw};
 use crate::store::{replica_store, shared_store};
 use crate::transport::{Link, dialer};
 
@@ -49,21 +47,6 @@ impl Default for Config {
     }
 }
 
-/// Why a seed could not be run at all (not a finding).
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    #[error("cannot build the runtime or the world's directories")]
-    Io(#[from] std::io::Error),
-    #[error("the store refused the world's setup")]
-    Store(#[from] pillar_state::StoreError),
-    #[error("an agent failed to start")]
-    Agent(#[from] pillar_agent::ServerError),
-    #[error("a controller replica failed to start")]
-    Controller(#[from] pillar_csi::controller::metrics::MetricsError),
-    #[error("a host could not be set up: {0}")]
-    Host(String),
-}
-
 /// What one seed did.
 #[derive(Debug)]
 pub struct SeedOutcome {
@@ -86,7 +69,7 @@ pub(crate) fn host(node: u32, variant: u32) -> String {
 }
 
 /// The temp directory root: tmpfs when there is one (fsync of marks is free there).
-fn temp_root() -> std::io::Result<tempfile::TempDir> {
+pub(crate) fn temp_root() -> std::io::Result<tempfile::TempDir> {
     let shm = std::path::Path::new("/dev/shm");
     if shm.is_dir()
         && let Ok(dir) = tempfile::Builder::new()
@@ -96,42 +79,6 @@ fn temp_root() -> std::io::Result<tempfile::TempDir> {
         return Ok(dir);
     }
     tempfile::Builder::new().prefix("pillar-sim").tempdir()
-}
-
-/// Runs seed `seed` to its end or its first violation.
-pub fn run_seed(seed: u64, config: &Config) -> Result<SeedOutcome, SimError> {
-    let chaos = Chaos::new(seed, config.knobs);
-    let deferral = {
-        let chaos = chaos.clone();
-        move || {
-            let k = chaos.knobs;
-            let mut d = Deferral::default();
-            if chaos.strikes(Fault::WorkDeferred, k.defer_work, "blocking work deferred") {
-                d.yields = u32::try_from(1 + chaos.below(16)).unwrap_or(1);
-            }
-            if chaos.strikes(Fault::WorkSlow, k.slow_work, "blocking work slow") {
-                d.delay = chaos.pause(300);
-            }
-            d
-        }
-    };
-    let _claim = pillar_agent::blocking::claim_thread(deferral);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()?;
-    let dir = temp_root()?;
-    let result = runtime.block_on(async { world(seed, config, &chaos, dir.path()).await });
-    // Background tasks (channels, servers) die with the runtime.
-    runtime.shutdown_background();
-    let (violation, ok) = result?;
-    Ok(SeedOutcome {
-        seed,
-        violation,
-        counts: chaos.counts(),
-        trace: chaos.trace_lines(),
-        ok,
-    })
 }
 
 /// Everything one seed runs.
@@ -149,7 +96,7 @@ pub(crate) struct World {
     /// Acknowledged expansions (invariant 8).
     pub expansions: Arc<Mutex<BTreeMap<(String, String), u64>>>,
     /// An armed power loss: the agent cut if none tripped it by the step given.
-    armed: Option<(usize, usize)>,
+    pub armed: Option<(usize, usize)>,
     grid: Arc<PowerGrid>,
     checker: Checker,
 }
@@ -231,7 +178,7 @@ fn make_hosts(
 }
 
 impl World {
-    async fn build(
+    pub(crate) async fn build(
         config: &Config,
         chaos: &Chaos,
         dir: &std::path::Path,
@@ -291,7 +238,7 @@ impl World {
     }
 
     /// Checks every invariant now.
-    fn check(&mut self) -> Result<Option<Violation>, SimError> {
+    pub(crate) fn check(&mut self) -> Result<Option<Violation>, SimError> {
         let volumes = self.store.records::<PillarVolumeState>()?;
         let expansions = self
             .expansions
@@ -310,7 +257,7 @@ impl World {
     /// An agent crash, maybe a power loss or a lost state directory, at `step`. A power loss
     /// is armed, not done: it lands at one of the agent's next durable file operations, while
     /// the world runs on ([`settle_power_loss`](Self::settle_power_loss)).
-    async fn crash(&mut self, step: usize) -> Result<(), SimError> {
+    pub(crate) async fn crash(&mut self, step: usize) -> Result<(), SimError> {
         let chaos = self.chaos.clone();
         let which = usize::try_from(chaos.below(self.agents.len() as u64)).unwrap_or(0);
         if !chaos.strikes(Fault::AgentCrash, chaos.knobs.crash * 10, "agent crash") {
@@ -362,7 +309,7 @@ impl World {
     }
 
     /// Lets the world run for `d`, waking early when an armed power loss trips.
-    async fn run_for(&self, d: Duration) {
+    pub(crate) async fn run_for(&self, d: Duration) {
         match self.armed {
             Some(_) => self.grid.wait(d).await,
             None => tokio::time::sleep(d).await,
@@ -371,7 +318,11 @@ impl World {
 
     /// Takes down the agent whose armed power loss tripped, or whose bound (`step`) is
     /// reached, or any armed one with `now`; restarts it.
-    async fn settle_power_loss(&mut self, step: usize, now: bool) -> Result<(), SimError> {
+    pub(crate) async fn settle_power_loss(
+        &mut self,
+        step: usize,
+        now: bool,
+    ) -> Result<(), SimError> {
         let Some((fallback, within)) = self.armed else {
             return Ok(());
         };
@@ -404,103 +355,4 @@ impl World {
         tokio::time::sleep(chaos.pause(100)).await;
         agent.start().await
     }
-}
-
-/// Starts `op` as a task that traces its result.
-fn spawn(
-    chaos: &Chaos,
-    ok: &Arc<AtomicUsize>,
-    step: usize,
-    label: String,
-    op: ops::Op,
-) -> tokio::task::JoinHandle<()> {
-    let cancel_after = if chaos.enabled() && chaos.below(1000) < chaos.knobs.cancel {
-        Some(chaos.pause(250))
-    } else {
-        None
-    };
-    chaos.trace(format!("step {step}: {label} (deadline {cancel_after:?})"));
-    let (c, ok) = (chaos.clone(), Arc::clone(ok));
-    tokio::spawn(async move {
-        let limit = cancel_after.unwrap_or(Duration::from_secs(600));
-        let line = match tokio::time::timeout(limit, op).await {
-            Ok(Ok(())) => {
-                ok.fetch_add(1, Ordering::Relaxed);
-                "ok".to_owned()
-            }
-            Ok(Err(e)) => e,
-            Err(_) => {
-                c.count(
-                    Fault::Cancelled,
-                    &format!("step {step} dropped at an await point"),
-                );
-                "cancelled".to_owned()
-            }
-        };
-        c.trace(format!("  step {step} ({label}) -> {line}"));
-    })
-}
-
-async fn world(
-    seed: u64,
-    config: &Config,
-    chaos: &Chaos,
-    dir: &std::path::Path,
-) -> Result<(Option<Violation>, usize), SimError> {
-    let mut w = World::build(config, chaos, dir).await?;
-    chaos.trace(format!("seed {seed}: {config:?}"));
-    w.replicas[0].resync_waiting_agents().await;
-    let ok = Arc::new(AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    let mut violation = None;
-    for step in 0..config.steps {
-        match ops::draw(&w, step) {
-            Draw::Crash => w.crash(step).await?,
-            Draw::Skip(why) => chaos.trace(format!("step {step}: {why}")),
-            Draw::Task(label, op) => {
-                tasks.push(spawn(chaos, &ok, step, label, op));
-                w.run_for(chaos.pause(40)).await;
-            }
-        }
-        w.settle_power_loss(step, false).await?;
-        violation = w.check()?;
-        if violation.is_some() {
-            break;
-        }
-    }
-    if violation.is_none() {
-        violation = drain(&mut w, tasks).await?;
-    }
-    if let Some(v) = &violation {
-        chaos.trace(format!("VIOLATION {v}"));
-    }
-    Ok((violation, ok.load(Ordering::Relaxed)))
-}
-
-/// The drain: no new faults; everything in flight lands or times out, agents are resynced. A
-/// power loss still armed stays armed while the work in flight lands (the replies and resyncs
-/// of the drain are where most fenced writes of a seed happen), then is cut; the agent is
-/// resynced once more before the last check.
-async fn drain(
-    w: &mut World,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-) -> Result<Option<Violation>, SimError> {
-    let chaos = w.chaos.clone();
-    chaos.disable();
-    chaos.trace("drain".into());
-    for t in tasks {
-        let _ = t.await;
-    }
-    tokio::time::sleep(Duration::from_secs(60)).await;
-    w.replicas[0].resync_waiting_agents().await;
-    tokio::time::sleep(Duration::from_secs(60)).await;
-    if w.armed.is_some() {
-        w.settle_power_loss(w.config.steps, true).await?;
-        if let Some(v) = w.check()? {
-            return Ok(Some(v));
-        }
-        w.replicas[0].resync_waiting_agents().await;
-        tokio::time::sleep(Duration::from_secs(60)).await;
-    }
-    w.check()
 }
