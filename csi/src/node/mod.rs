@@ -25,6 +25,7 @@ mod engine;
 mod error;
 mod expand;
 mod kernel;
+mod publish;
 mod request;
 mod reserve;
 
