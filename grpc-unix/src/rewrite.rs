@@ -11,7 +11,8 @@
 //!   depend on what this rewriter dropped, and a field the client marked sensitive stays so.
 //! - A `:authority` that is not a valid URI authority (a socket path, raw or %-encoded) becomes
 //!   `localhost`, what Go clients send on unix sockets; a valid one is kept.
-//! - Anything this cannot follow (a broken header block, a CONTINUATION out of place) or will
+//! - Anything this cannot follow (a broken header block, a CONTINUATION out of place, a
+//!   PUSH_PROMISE, whose header block only a server may send) or will
 //!   not (a header frame larger than the server's frame size, a block larger than
 //!   [`MAX_BLOCK`] encoded or [`MAX_HEADER_LIST_SIZE`] decoded) is an error: the connection is
 //!   closed, never passed on half rewritten.
@@ -57,6 +58,9 @@ const TABLE_SIZE: usize = 4096;
 
 const HEADERS: u8 = 0x1;
 const CONTINUATION: u8 = 0x9;
+/// A server's frame only (RFC 9113 8.4): it carries a header block this rewriter would have
+/// to follow, and a server treats it from a client as a connection error.
+const PUSH_PROMISE: u8 = 0x5;
 const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
@@ -78,6 +82,8 @@ pub enum RewriteError {
     Interleaved { kind: u8, stream: u32, open: u32 },
     #[error("HTTP/2 CONTINUATION on stream {stream} without an open header block")]
     StrayContinuation { stream: u32 },
+    #[error("HTTP/2 PUSH_PROMISE on stream {stream} from a client")]
+    PushPromise { stream: u32 },
     #[error("HTTP/2 header frame on stream {stream} has {len} bytes, more than {MAX_FRAME}")]
     FrameTooLarge { stream: u32, len: usize },
     #[error("HTTP/2 header block on stream {stream} exceeds {MAX_BLOCK} bytes")]
@@ -100,7 +106,8 @@ impl RewriteError {
             Self::Padding { .. }
             | Self::Priority { .. }
             | Self::Interleaved { .. }
-            | Self::StrayContinuation { .. } => 0x1,
+            | Self::StrayContinuation { .. }
+            | Self::PushPromise { .. } => 0x1,
         }
     }
 }
@@ -228,6 +235,11 @@ impl Rewriter {
             self.frame[3],
             stream_of(&self.frame),
         );
+        if kind == PUSH_PROMISE {
+            // Its header block would change the client's HPACK table behind this rewriter's
+            // back; no server accepts one from a client anyway.
+            return Err(RewriteError::PushPromise { stream });
+        }
         if kind != HEADERS && kind != CONTINUATION {
             if let Some(open) = &self.block {
                 return Err(RewriteError::Interleaved {

@@ -300,6 +300,24 @@ fn output_waiting_to_be_read_stops_the_input() {
     assert_eq!(frames(&out[24..]).len(), 200);
 }
 
+// Found by the rewriter's long fuzz run: a client's PUSH_PROMISE carries a header block that
+// the rewriter passed on undecoded, so the server's HPACK table and the client's parted.
+#[test]
+fn a_push_promise_from_a_client_is_refused() {
+    let mut input = PREFACE.to_vec();
+    let mut payload = 3_u32.to_be_bytes().to_vec(); // the promised stream
+    payload.push(0x40); // literal with incremental indexing: it would enter the client's table
+    encode_string(&mut payload, b"x-a");
+    encode_string(&mut payload, b"b");
+    input.extend(frame(PUSH_PROMISE, END_HEADERS, 1, &payload));
+    let err = run(&input, 64).unwrap_err();
+    assert!(
+        matches!(err, RewriteError::PushPromise { stream: 1 }),
+        "{err}"
+    );
+    assert_eq!(err.h2_code(), 0x1);
+}
+
 #[test]
 fn what_cannot_be_followed_is_an_error() {
     let mut broken = PREFACE.to_vec();
