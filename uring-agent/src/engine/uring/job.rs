@@ -17,8 +17,9 @@ use super::admission::Permit;
 use crate::engine::{DurableDir, DurableStep, EngineError, c_path, temp_name};
 
 /// Where a request's answer goes, with the request's place in the engine's bound
-/// ([`Permit`]): the place is given back when the reply is sent or dropped, whether or not the
-/// caller still waits, so the bound counts every request the ring thread holds.
+/// ([`Permit`]): the place is given back when the reply is sent (just before the answer
+/// leaves) or dropped, whether or not the caller still waits, so the bound counts every request
+/// the ring thread holds.
 pub(super) struct Reply {
     tx: oneshot::Sender<Result<(), EngineError>>,
     _permit: Permit,
@@ -32,12 +33,16 @@ impl Reply {
         }
     }
 
-    /// Sends the answer; `Err` with it when the caller went away.
+    /// Sends the answer; `Err` with it when the caller went away. The place is given back
+    /// first: a caller holding its answer must find its place free, or a request it sends right
+    /// after an answer could be refused for a place its own finished request still held.
     pub(super) fn send(
         self,
         result: Result<(), EngineError>,
     ) -> Result<(), Result<(), EngineError>> {
-        self.tx.send(result)
+        let Self { tx, _permit: permit } = self;
+        drop(permit);
+        tx.send(result)
     }
 }
 
@@ -179,4 +184,46 @@ pub(super) fn prepare_plan(ops: &[Op], root: &Path) -> Result<Vec<CfgOp>, Engine
         .enumerate()
         .map(|(i, op)| CfgOp::prepare(i, op, root))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    use super::super::admission::Admission;
+    use super::*;
+
+    /// Notes how many places are held at the moment the answer wakes the caller.
+    struct HeldAtWake {
+        admission: Arc<Admission>,
+        seen: Mutex<Option<usize>>,
+    }
+
+    impl Wake for HeldAtWake {
+        fn wake(self: Arc<Self>) {
+            *self.seen.lock().unwrap() = Some(self.admission.held());
+        }
+    }
+
+    #[test]
+    fn the_place_is_free_when_the_caller_is_woken_with_its_answer() {
+        let admission = Admission::new(1);
+        let (tx, mut rx) = oneshot::channel();
+        let reply = Reply::new(tx, admission.admit().unwrap());
+        let waker = Arc::new(HeldAtWake {
+            admission: Arc::clone(&admission),
+            seen: Mutex::new(None),
+        });
+        let wake = Waker::from(Arc::clone(&waker));
+        let mut cx = Context::from_waker(&wake);
+        assert!(Pin::new(&mut rx).poll(&mut cx).is_pending());
+        assert!(reply.send(Ok(())).is_ok());
+        assert_eq!(*waker.seen.lock().unwrap(), Some(0), "woken while its place was held");
+        assert!(matches!(Pin::new(&mut rx).poll(&mut cx), Poll::Ready(Ok(Ok(())))));
+        // The next request gets the place at once.
+        assert!(admission.admit().is_ok());
+    }
 }
