@@ -7,6 +7,9 @@
 //! - Exports use the derived identity (I1) or the recorded adopted one (I4); a live export
 //!   showing another identity is adopted and recorded before the change is applied; the
 //!   read-back after the change is verified against the plan (I2).
+//! - A plan, once applied, leaves nothing to do: planned again from the read-back it is empty
+//!   (asserted in debug builds, so the simulation and the tests catch a planner that never
+//!   converges where it plans, not as a resync that rewrites the target for ever).
 //! - An export that puts an ACL on a subsystem admitting any host cuts its live connections
 //!   (W7).
 //! - An unexport removes the subsystem and whatever only it used, checks the subsystem is gone,
@@ -81,6 +84,7 @@ impl Agent {
         let after = self.target.read_back(&guard, nqn.as_str()).await?;
         if !self.settings.kernel_random_identity {
             verify(&after, &plan.effective)?;
+            debug_assert_converged(volume, &after, &plan.effective);
         }
         self.verify_host_keys(&creds)?;
         if closes {
@@ -275,5 +279,49 @@ impl Agent {
         self.unrestored_set().remove(volume);
         tracing::info!(%volume, "unexported");
         Ok(())
+    }
+}
+
+/// Asserts, in debug builds, that `spec` planned again from `after` (the read-back of its applied
+/// plan) has nothing left to do. `verify` checks the fields the spec names; this checks the
+/// planner agrees with itself: an operation it plans again right after applying it is one every
+/// later export and resync would repeat.
+fn debug_assert_converged(volume: &VolumeId, after: &TargetState, spec: &ExportSpec) {
+    if cfg!(debug_assertions) {
+        let again = plan_export(after, spec).map(|p| p.ops);
+        debug_assert!(
+            matches!(&again, Ok(ops) if ops.is_empty()),
+            "{volume}: the applied plan left work to do: {again:?}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    fn spec() -> ExportSpec {
+        let volume = VolumeId::parse("pvc-1").unwrap();
+        let address: SocketAddr = "127.0.0.1:4420".parse().unwrap();
+        let ports = [(PortId::new(4420), PortSpec::tcp(address))]
+            .into_iter()
+            .collect();
+        volume_export(
+            &volume,
+            PathBuf::from("/dev/loop0"),
+            HostAccess::AnyHost,
+            ports,
+        )
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "the applied plan left work to do")]
+    fn a_target_the_plan_did_not_reach_fails_the_convergence_assertion() {
+        // Nothing on the target: the export is still all to do.
+        let volume = VolumeId::parse("pvc-1").unwrap();
+        debug_assert_converged(&volume, &TargetState::default(), &spec());
     }
 }
