@@ -34,6 +34,14 @@
 //! operation it applied, in order, so a test can assert the exact configfs sequence of a plan
 //! run by code it cannot reach (the agent): [`ConfigfsDouble::record_ops`].
 //!
+//! The double is the kernel's rules ([`ConfigfsRules`]) over a plain tree: each operation is
+//! admitted (refused with the kernel's errno, changing nothing), then made with the plain
+//! syscalls an executor makes against configfs, then completed with the kernel's side effects (a
+//! new item's attributes, the value as the kernel keeps it, links read back relative, the
+//! private state below). Its own [`Executor`] makes those syscalls with
+//! [`crate::KernelExecutor`]; the agent's engines make them with theirs (the io_uring engine's
+//! chains), so a plan on the double runs the engine's configfs path as on the kernel.
+//!
 //! Where each part lives: `place` (which place of the tree a path is), `parse` (the kernel's
 //! value parsers), `items` (mkdir, rmdir), `attrs` (attribute writes), `links` (symlink,
 //! unlink, enabling a port), `controllers` (host connects and disconnects), `record` (the
@@ -57,6 +65,7 @@ use std::path::{Component, Path, PathBuf};
 use crate::exec::Executor;
 use crate::model::{HOSTS, PORTS, SUBSYSTEMS, read_attr};
 use crate::plan::Op;
+use crate::rules::{Admitted, ConfigfsRules, Then};
 
 /// Where the double keeps state the real kernel keeps in memory (which subsystems a host has
 /// identified, until the subsystem is removed). Outside the three nvmet directories, so readers
@@ -178,14 +187,41 @@ impl ConfigfsDouble {
     }
 }
 
+/// The double's executor: the kernel's rules around the plain syscalls
+/// [`crate::KernelExecutor`] makes, exactly as an engine runs a plan on the double's root with
+/// it as the rules ([`ConfigfsRules`]).
 impl Executor for ConfigfsDouble {
     fn execute(&mut self, op: &Op) -> io::Result<()> {
-        match op {
-            Op::Mkdir { path } => self.mkdir(path),
-            Op::Write { path, value } => self.write(path, value),
-            Op::Symlink { target, link } => self.symlink(target, link),
-            Op::Unlink { path } => self.unlink(path),
-            Op::Rmdir { path } => self.rmdir(path),
+        let root = self.root.clone();
+        crate::rules::execute_ruled(self, &root, op)
+    }
+}
+
+impl ConfigfsRules for ConfigfsDouble {
+    fn admit(&self, op: &Op) -> io::Result<Admitted> {
+        let then = match op {
+            Op::Mkdir { path } => self.admit_mkdir(path).map(|()| Then::Nothing),
+            Op::Write { path, value } => self.admit_write(path, value).map(Then::Store),
+            Op::Symlink { target, link } => {
+                self.admit_symlink(target, link).map(|()| Then::Nothing)
+            }
+            Op::Unlink { path } => self.admit_unlink(path).map(Then::Unlinked),
+            Op::Rmdir { path } => self.admit_rmdir(path).map(|()| Then::Nothing),
+        }?;
+        Ok(Admitted(then))
+    }
+
+    fn complete(&self, op: &Op, admitted: Admitted) -> io::Result<()> {
+        match (op, admitted.0) {
+            (Op::Mkdir { path }, _) => self.mkdir_done(path),
+            // The plain write left the bytes as given (and any longer old value's tail): the
+            // attribute shows what the kernel keeps.
+            (Op::Write { path, .. }, Then::Store(value)) => self.set(&self.at(path)?, &value),
+            (Op::Symlink { target, link }, _) => self.symlink_done(target, link),
+            (Op::Unlink { path }, Then::Unlinked(target)) => self.unlink_done(path, &target),
+            (Op::Rmdir { path }, _) => self.rmdir_done(path),
+            // Admitted for another operation: the caller mixed up its plan.
+            _ => Err(errno(libc::EINVAL)),
         }?;
         self.record(op)
     }

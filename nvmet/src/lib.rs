@@ -11,7 +11,9 @@
 //! - `exec`: a synchronous executor and the read-back check.
 //! - `target_model`: an in-memory model of the whole tree that plans from a view.
 //! - `auth`: DH-HMAC-CHAP secrets and the host entries' authentication attributes.
-//! - `double`: a configfs test double that refuses what the kernel refuses.
+//! - `rules`: the kernel's rules around plain syscalls, which let an executor of plain syscalls
+//!   (the agent's engines) run plans against a plain tree as against configfs.
+//! - `double`: a configfs test double that refuses what the kernel refuses, as those rules.
 //!
 //! Nothing here talks to io_uring or gRPC: the agent builds on these types.
 
@@ -22,6 +24,7 @@ mod identity;
 mod model;
 mod names;
 mod plan;
+mod rules;
 mod target_model;
 
 pub use auth::{
@@ -47,6 +50,7 @@ pub use plan::{
     Adoption, ExportPlan, Op, PlanError, Released, plan_acl, plan_cut_connections, plan_export,
     plan_links, plan_release, plan_revalidate, plan_unexport,
 };
+pub use rules::{Admitted, ConfigfsRules, Ruled};
 pub use target_model::TargetModel;
 
 /// Where the kernel mounts the nvmet configfs tree.

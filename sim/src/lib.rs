@@ -7,7 +7,8 @@
 //! resync, their compare-and-swap loops and tokens); one or more agents assembled by
 //! `pillar_agent::server::build_agent` (synchronous engine writing real fencing marks in a
 //! state directory, the nvmet configfs double `pillar_nvmet::ConfigfsDouble` rooted in a temp
-//! directory, the agent's gRPC service with its `to_the_end` tasks); tonic clients and servers
+//! directory below that engine's configfs path, the agent's gRPC service with its `to_the_end`
+//! tasks); tonic clients and servers
 //! between them, speaking HTTP/2 over in-memory pipes.
 //!
 //! Simulated: the Kubernetes API (`pillar-state`'s `MemoryStore`: the API server's

@@ -12,8 +12,8 @@ use std::time::Duration;
 /// Where a hook can act.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HookPoint {
-    /// Inside the blocking apply of a configfs plan on the test double, before its first step:
-    /// a stand-in for a configfs write the kernel is slow to answer (a frozen filesystem).
+    /// Before a configfs plan goes to the engine: a stand-in for a configfs write the kernel is
+    /// slow to answer (a frozen filesystem).
     ConfigfsApply,
     /// Between a request's fence check and the commit of its mark.
     BetweenCheckAndCommit,
@@ -101,15 +101,6 @@ impl Hooks {
             Action::Delay(d) => Action::Delay(*d),
             Action::Fail => Action::Fail,
         })
-    }
-
-    /// In blocking code: stalls or sleeps as armed for `point`.
-    pub(crate) fn blocking(&self, point: HookPoint) {
-        match self.action(point) {
-            Some(Action::Stall(gate)) => gate.pass(),
-            Some(Action::Delay(delay)) => std::thread::sleep(delay),
-            None | Some(Action::Fail) => {}
-        }
     }
 
     /// In async code: stalls (on a blocking thread) or sleeps as armed for `point`.

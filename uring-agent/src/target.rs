@@ -1,5 +1,5 @@
-//! The agent's view of the NVMe-oF target: the kernel's configfs (through the engine) or the
-//! configfs test double, plus the records of adopted namespace identities.
+//! The agent's view of the NVMe-oF target: the kernel's configfs or the configfs test double,
+//! both changed through the engine, plus the records of adopted namespace identities.
 //!
 //! Invariants:
 //! - Every configfs change runs as read -> plan -> apply -> read back -> verify while holding
@@ -18,7 +18,9 @@
 //!   rest; the model is loaded from a full read under the exclusive lock, kept current by each
 //!   operation's scoped read-back, and dropped (reloaded by the next operation) after any failed
 //!   apply or read.
-//! - The double is only ever used when selected explicitly, and is reported as such.
+//! - The double is only ever used when selected explicitly, and is reported as such. Its plans
+//!   take the engine's configfs path as the kernel's do: the double sits below the engine, as
+//!   the rules of a plain tree ([`ConfigfsRoot::ruled`]).
 //! - An identity record exists exactly while an adopted (kernel-random) identity is in use: it
 //!   is written durably before the plan that relies on it runs, and removed after unexport.
 
@@ -27,13 +29,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pillar_nvmet::{
-    ConfigfsDouble, Executor, NamespaceIdentity, Nguid, Op, Released, Serial, TargetModel,
-    TargetState, VolumeId, observe, observe_scope, plan_release,
+    ConfigfsDouble, NamespaceIdentity, Nguid, Op, Released, Serial, TargetModel, TargetState,
+    VolumeId, observe, observe_scope, plan_release,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::engine::{DurableDir, Engine, EngineError};
+use crate::engine::{ConfigfsRoot, DurableDir, Engine, EngineError};
 use crate::hooks::{HookPoint, Hooks};
 
 /// Where configfs lives.
@@ -62,8 +64,6 @@ pub enum TargetError {
     Observe(#[from] pillar_nvmet::ObserveError),
     #[error("applying a configfs plan failed")]
     Apply(#[source] EngineError),
-    #[error("the configfs test double refused a step")]
-    DoubleApply(#[source] pillar_nvmet::ApplyError),
     #[error("blocking task failed")]
     Join(#[source] tokio::task::JoinError),
     #[error("identity record {path} is corrupt ({reason}); refusing to guess the identity")]
@@ -86,14 +86,10 @@ struct ModelSlot {
     current: bool,
 }
 
-enum Backing {
-    Kernel(Arc<DurableDir>),
-    Double(ConfigfsDouble),
-}
-
 /// The NVMe-oF target of this node.
 pub struct Target {
-    backing: Backing,
+    /// The kernel's tree, or the double's under its rules.
+    configfs: ConfigfsRoot,
     root: PathBuf,
     lock: RwLock<()>,
     model: std::sync::Mutex<ModelSlot>,
@@ -155,15 +151,13 @@ impl Target {
     ) -> Result<Self, TargetError> {
         let identities =
             DurableDir::open(state_dir.join("nvmet-identity")).map_err(TargetError::Apply)?;
-        let (backing, root) = match config {
+        let (configfs, root) = match config {
             TargetConfig::Kernel { root } => {
                 if !root.join("subsystems").is_dir() {
                     return Err(TargetError::NoNvmet { root: root.clone() });
                 }
-                (
-                    Backing::Kernel(DurableDir::open(root).map_err(TargetError::Apply)?),
-                    root.clone(),
-                )
+                let dir = DurableDir::open(root).map_err(TargetError::Apply)?;
+                (ConfigfsRoot::kernel(dir), root.clone())
             }
             TargetConfig::Double { root } => {
                 let double =
@@ -171,11 +165,12 @@ impl Target {
                         root: root.clone(),
                         source,
                     })?;
-                (Backing::Double(double), root.clone())
+                let dir = DurableDir::open(root).map_err(TargetError::Apply)?;
+                (ConfigfsRoot::ruled(dir, Arc::new(double)), root.clone())
             }
         };
         Ok(Self {
-            backing,
+            configfs,
             root,
             lock: RwLock::new(()),
             model: std::sync::Mutex::new(ModelSlot::default()),
@@ -185,11 +180,11 @@ impl Target {
         })
     }
 
-    /// "kernel" or "test-double".
+    /// "kernel" or "test-double" (a tree under rules is only ever the double's).
     pub fn kind(&self) -> &'static str {
-        match self.backing {
-            Backing::Kernel(_) => "kernel",
-            Backing::Double(_) => "test-double",
+        match self.configfs.rules() {
+            None => "kernel",
+            Some(_) => "test-double",
         }
     }
 
@@ -408,24 +403,11 @@ impl Target {
     }
 
     async fn apply_unchecked(&self, ops: Vec<Op>) -> Result<(), TargetError> {
-        match &self.backing {
-            Backing::Kernel(root) => self
-                .engine
-                .apply_configfs(root, ops)
-                .await
-                .map_err(TargetError::Apply),
-            Backing::Double(double) => {
-                let mut double = double.clone();
-                let hooks = self.hooks.clone();
-                crate::blocking::spawn(move || {
-                    hooks.blocking(HookPoint::ConfigfsApply);
-                    pillar_nvmet::apply(&mut double as &mut dyn Executor, &ops)
-                })
-                .await
-                .map_err(TargetError::Join)?
-                .map_err(TargetError::DoubleApply)
-            }
-        }
+        self.hooks.pass(HookPoint::ConfigfsApply).await;
+        self.engine
+            .apply_configfs(&self.configfs, ops)
+            .await
+            .map_err(TargetError::Apply)
     }
 
     fn identities(&self) -> Arc<DurableDir> {
@@ -538,5 +520,48 @@ impl IdentityRecord {
             uuid: pillar_nvmet::parse_uuid(&self.uuid).map_err(|e| e.to_string())?,
             nguid: Nguid::parse(&self.nguid).map_err(|e| e.to_string())?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sync::SyncEngine;
+    use crate::engine::uring::{UringConfig, UringEngine};
+
+    // The double sits below the engine: a plan on it is one of the engine's configfs plans (on
+    // the old code it ran beside the engine, which never saw it), and a refusal by the double
+    // comes back as the engine's error naming the operation.
+    #[tokio::test]
+    async fn a_plan_on_the_double_goes_through_the_engine() {
+        let engines = [
+            Engine::Uring(UringEngine::start(UringConfig::default()).expect("io_uring works")),
+            Engine::Sync(SyncEngine::new()),
+        ];
+        for engine in engines {
+            let engine = Arc::new(engine);
+            let tmp = tempfile::tempdir().unwrap();
+            let config = TargetConfig::Double {
+                root: tmp.path().join("configfs"),
+            };
+            let state = tmp.path().join("state");
+            let target =
+                Target::open(&config, Arc::clone(&engine), &state, Hooks::default()).unwrap();
+            assert_eq!(target.kind(), "test-double");
+            let guard = target.exclusive().await;
+            let port = Op::Mkdir {
+                path: "ports/1".into(),
+            };
+            target.apply(&guard, vec![port.clone()]).await.unwrap();
+            assert!(target.root().join("ports/1/addr_trtype").is_file());
+            assert_eq!(engine.stats().snapshot()[4], 1, "{}", engine.name());
+
+            let err = target.apply(&guard, vec![port.clone()]).await.unwrap_err();
+            let TargetError::Apply(EngineError::Configfs(refused)) = err else {
+                panic!("{}: {err:?}", engine.name())
+            };
+            assert_eq!((refused.index, refused.op), (0, port));
+            assert_eq!(refused.source.raw_os_error(), Some(libc::EEXIST));
+        }
     }
 }

@@ -379,8 +379,11 @@ async fn a_live_kernel_random_identity_is_adopted_recorded_reproduced_and_forgot
         assert!(r.identity_adopted, "{engine:?}");
 
         // Storage reboot: the whole target is gone; the record brings the same identity back,
-        // the zero NGUID included (hosts keyed on exactly that pair).
-        std::fs::remove_dir_all(&root).unwrap();
+        // the zero NGUID included (hosts keyed on exactly that pair). The tree goes, not its
+        // root: the engine holds the root open, as it holds the kernel's nvmet directory.
+        for entry in std::fs::read_dir(&root).unwrap() {
+            std::fs::remove_dir_all(entry.unwrap().path()).unwrap();
+        }
         pillar_nvmet::ConfigfsDouble::create(&root).unwrap();
         c.export(export_req("u1", 4, "vol-e", false, &[]))
             .await

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use pillar_agent::engine::sync::SyncEngine;
 use pillar_agent::engine::uring::{IntakeGate, MAX_OPS_PER_CHAIN, UringConfig, UringEngine};
-use pillar_agent::engine::{DurableDir, DurableStep, Engine, EngineError, FaultInjection};
+use pillar_agent::engine::{
+    ConfigfsRoot, DurableDir, DurableStep, Engine, EngineError, FaultInjection,
+};
 use pillar_nvmet::{Executor, KernelExecutor, Op};
 
 fn engines(fault: FaultInjection) -> Vec<Engine> {
@@ -251,7 +253,7 @@ async fn configfs_plans_match_the_plain_executor() {
         prepare_attr(tmp.path());
         let root = DurableDir::open(tmp.path()).unwrap();
         engine
-            .apply_configfs(&root, ops[2..].to_vec())
+            .apply_configfs(&ConfigfsRoot::kernel(Arc::clone(&root)), ops[2..].to_vec())
             .await
             .unwrap();
         assert_eq!(
@@ -276,7 +278,10 @@ async fn a_configfs_plan_stops_at_the_first_failure() {
             },
             Op::Mkdir { path: "b".into() },
         ];
-        let err = engine.apply_configfs(&root, ops).await.unwrap_err();
+        let err = engine
+            .apply_configfs(&ConfigfsRoot::kernel(Arc::clone(&root)), ops)
+            .await
+            .unwrap_err();
         let EngineError::Configfs(apply) = err else {
             panic!("{}: {err}", engine.name())
         };
@@ -290,7 +295,10 @@ async fn a_configfs_plan_stops_at_the_first_failure() {
         );
         // And the engine is still healthy afterwards.
         engine
-            .apply_configfs(&root, vec![Op::Mkdir { path: "c".into() }])
+            .apply_configfs(
+                &ConfigfsRoot::kernel(Arc::clone(&root)),
+                vec![Op::Mkdir { path: "c".into() }],
+            )
             .await
             .unwrap();
     }
@@ -376,7 +384,13 @@ async fn a_refused_submission_answers_its_caller() {
     }
     refused(tokio::time::timeout(Duration::from_secs(10), engine.remove_file(&dir, "x0")).await);
     let plan = vec![Op::Mkdir { path: "c".into() }];
-    refused(tokio::time::timeout(Duration::from_secs(10), engine.apply_configfs(&dir, plan)).await);
+    refused(
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            engine.apply_configfs(&ConfigfsRoot::kernel(Arc::clone(&dir)), plan),
+        )
+        .await,
+    );
 
     engine
         .replace_file(&dir, "a.json", b"after".to_vec())
@@ -406,7 +420,9 @@ async fn a_busy_queue_is_retried() {
             engine.replace_file(&dir, "a.json", b"1".to_vec()).await?;
             engine.remove_file(&dir, "a.json").await?;
             let plan = vec![Op::Mkdir { path: "c".into() }];
-            engine.apply_configfs(&dir, plan).await
+            engine
+                .apply_configfs(&ConfigfsRoot::kernel(Arc::clone(&dir)), plan)
+                .await
         };
         tokio::time::timeout(Duration::from_secs(10), run)
             .await
@@ -534,7 +550,10 @@ async fn a_configfs_plan_stops_at_a_failed_directory_operation() {
                 bad.clone(),
                 Op::Mkdir { path: "y".into() },
             ];
-            let err = engine.apply_configfs(&root, ops).await.unwrap_err();
+            let err = engine
+                .apply_configfs(&ConfigfsRoot::kernel(Arc::clone(&root)), ops)
+                .await
+                .unwrap_err();
             let EngineError::Configfs(apply) = err else {
                 panic!("{}: {err}", engine.name())
             };

@@ -1,5 +1,9 @@
 //! Attribute writes, each refused as the kernel's store function refuses it.
 //!
+//! [`ConfigfsDouble::admit_write`] checks a write as the store function does and answers the
+//! value the kernel keeps (parsed and normalised, as a read shows it); the plain write goes to
+//! the file, then the double stores that value over it (see [`crate::rules`]).
+//!
 //! Invariants:
 //! - `device_path`, `device_uuid`, `device_nguid` on an enabled namespace: EBUSY; `resv_enable`,
 //!   `buffered_io` on an enabled namespace: EINVAL; `enable` without a device: EINVAL (ENOENT
@@ -21,7 +25,8 @@ use super::{ConfigfsDouble, errno};
 use crate::model::SUBSYSTEMS;
 
 impl ConfigfsDouble {
-    pub(super) fn write(&self, rel: &Path, value: &str) -> io::Result<()> {
+    /// Whether the kernel takes `value` into the attribute `rel`, and the value it then shows.
+    pub(super) fn admit_write(&self, rel: &Path, value: &str) -> io::Result<String> {
         let path = self.at(rel)?;
         if path.is_dir() {
             return Err(errno(libc::EISDIR));
@@ -41,15 +46,15 @@ impl ConfigfsDouble {
         }
         match classify(rel) {
             Place::NamespaceAttr(_, _, attr) => self.write_namespace_attr(&path, attr, value),
-            Place::SubsystemAttr(nqn, attr) => self.write_subsystem_attr(&path, nqn, attr, value),
-            Place::HostAttr(_, attr) => self.write_host_attr(&path, attr, value),
-            Place::PortAttr(port, attr) => self.write_port_attr(&path, port, attr, value),
+            Place::SubsystemAttr(nqn, attr) => self.write_subsystem_attr(nqn, attr, value),
+            Place::HostAttr(_, attr) => Self::write_host_attr(attr, value),
+            Place::PortAttr(port, attr) => self.write_port_attr(port, attr, value),
             _ => Err(errno(libc::EACCES)),
         }
     }
 
     /// A namespace's attribute; identity and device only while it is disabled.
-    fn write_namespace_attr(&self, path: &Path, attr: &str, value: &str) -> io::Result<()> {
+    fn write_namespace_attr(&self, path: &Path, attr: &str, value: &str) -> io::Result<String> {
         let ns_dir = path.parent().ok_or_else(|| errno(libc::EINVAL))?;
         let enabled = self.ns_enabled(ns_dir)?;
         match attr {
@@ -61,19 +66,19 @@ impl ConfigfsDouble {
                 if v.is_empty() {
                     return Err(errno(libc::EINVAL));
                 }
-                self.set(path, v)
+                Ok(String::from(v))
             }
             "device_uuid" => {
                 if enabled {
                     return Err(errno(libc::EBUSY));
                 }
-                self.set(path, &kernel_uuid(value)?)
+                kernel_uuid(value)
             }
             "device_nguid" => {
                 if enabled {
                     return Err(errno(libc::EBUSY));
                 }
-                self.set(path, &kernel_nguid(value)?)
+                kernel_nguid(value)
             }
             "enable" => {
                 let on = kstrtobool(value)?;
@@ -86,40 +91,35 @@ impl ConfigfsDouble {
                         return Err(errno(libc::ENOENT));
                     }
                 }
-                self.set(path, if on { "1" } else { "0" })
+                Ok(String::from(if on { "1" } else { "0" }))
             }
             "revalidate_size" => {
                 if !kstrtobool(value)? || !enabled {
                     return Err(errno(libc::EINVAL));
                 }
-                Ok(())
+                // Write-only in the kernel: nothing is kept.
+                Ok(String::new())
             }
             "resv_enable" | "buffered_io" => {
                 let on = kstrtobool(value)?;
                 if enabled {
                     return Err(errno(libc::EINVAL));
                 }
-                self.set(path, if on { "1" } else { "0" })
+                Ok(String::from(if on { "1" } else { "0" }))
             }
             "ana_grpid" => {
                 let g = kstrtou(value, u64::from(u32::MAX))?;
                 if !(1..=128).contains(&g) {
                     return Err(errno(libc::EINVAL));
                 }
-                self.set(path, &g.to_string())
+                Ok(g.to_string())
             }
             _ => Err(errno(libc::EACCES)),
         }
     }
 
     /// A subsystem's attribute; serial and model only until a host identified it.
-    fn write_subsystem_attr(
-        &self,
-        path: &Path,
-        nqn: &str,
-        attr: &str,
-        value: &str,
-    ) -> io::Result<()> {
+    fn write_subsystem_attr(&self, nqn: &str, attr: &str, value: &str) -> io::Result<String> {
         match attr {
             "attr_allow_any_host" => {
                 let on = kstrtobool(value)?;
@@ -127,7 +127,7 @@ impl ConfigfsDouble {
                 if on && !Self::dir_entries(&hosts_dir)?.is_empty() {
                     return Err(errno(libc::EINVAL));
                 }
-                self.set(path, if on { "1" } else { "0" })
+                Ok(String::from(if on { "1" } else { "0" }))
             }
             "attr_serial" => {
                 let v = first_line(value);
@@ -139,7 +139,7 @@ impl ConfigfsDouble {
                     return Err(errno(libc::EINVAL));
                 }
                 // The kernel pads the serial with spaces to the full 20 characters.
-                self.set(path, &format!("{v:<20}"))
+                Ok(format!("{v:<20}"))
             }
             "attr_model" => {
                 let v = first_line(value);
@@ -150,14 +150,14 @@ impl ConfigfsDouble {
                 {
                     return Err(errno(libc::EINVAL));
                 }
-                self.set(path, v)
+                Ok(String::from(v))
             }
             _ => Err(errno(libc::EACCES)),
         }
     }
 
     /// A port's address attribute; only while no subsystem is linked to it.
-    fn write_port_attr(&self, path: &Path, port: &str, attr: &str, value: &str) -> io::Result<()> {
+    fn write_port_attr(&self, port: &str, attr: &str, value: &str) -> io::Result<String> {
         if self.port_linked(port)? {
             return Err(errno(libc::EACCES));
         }
@@ -186,18 +186,18 @@ impl ConfigfsDouble {
             }
             _ => return Err(errno(libc::EACCES)),
         };
-        self.set(path, v)
+        Ok(String::from(v))
     }
 
     /// A host entry's authentication attribute, as `nvmet_auth_set_key`,
     /// `nvmet_host_dhchap_hash_store` and `nvmet_host_dhchap_dhgroup_store` take it.
-    fn write_host_attr(&self, path: &Path, attr: &str, value: &str) -> io::Result<()> {
+    fn write_host_attr(attr: &str, value: &str) -> io::Result<String> {
         use crate::auth::{DHCHAP_CTRL_KEY, DHCHAP_DHGROUP, DHCHAP_HASH, DHCHAP_KEY};
         let v = value.strip_suffix('\n').unwrap_or(value);
         match attr {
             DHCHAP_KEY | DHCHAP_CTRL_KEY => {
                 if v.is_empty() {
-                    return self.set(path, "");
+                    return Ok(String::new());
                 }
                 // What the store checks on the lane's 7.2 (`s15_dhchap`): the prefix and a
                 // transform of 0-3 (`sscanf("DHHC-1:%hhd:%*s")`); the key itself (base64,
@@ -211,18 +211,18 @@ impl ConfigfsDouble {
                 if transform > 3 || body.trim().is_empty() {
                     return Err(errno(libc::EINVAL));
                 }
-                self.set(path, v)
+                Ok(String::from(v))
             }
             DHCHAP_HASH => {
                 let hash = crate::auth::DhchapHash::parse(v).map_err(|_| errno(libc::EINVAL))?;
                 if !v.starts_with("hmac(") {
                     return Err(errno(libc::EINVAL));
                 }
-                self.set(path, hash.kernel_name())
+                Ok(String::from(hash.kernel_name()))
             }
             DHCHAP_DHGROUP => {
                 let group = crate::auth::DhGroup::parse(v).map_err(|_| errno(libc::EINVAL))?;
-                self.set(path, group.kernel_name())
+                Ok(String::from(group.kernel_name()))
             }
             _ => Err(errno(libc::EACCES)),
         }

@@ -1,6 +1,11 @@
 //! Making and removing items (mkdir, rmdir), with the groups and attributes the kernel gives a
 //! new item and the refusals of its release.
 //!
+//! Each operation is two halves around the plain syscall (see [`crate::rules`]): `admit_*`
+//! refuses as the kernel does, changing nothing (an rmdir it admits then clears the item's
+//! attributes and default groups, which configfs removes with the directory and a plain `rmdir`
+//! cannot), and `*_done` adds what the kernel does besides.
+//!
 //! Invariants:
 //! - mkdir only where configfs has a group (EPERM elsewhere); a new item has the kernel's
 //!   default groups and attributes, with random identities (a namespace's UUID, a subsystem's
@@ -18,7 +23,8 @@ use super::{ConfigfsDouble, PORT_LINKS, PRIVATE_DIR, RESERVATIONS, errno};
 use crate::names::DISCOVERY_NQN;
 
 impl ConfigfsDouble {
-    pub(super) fn mkdir(&self, rel: &Path) -> io::Result<()> {
+    /// Whether configfs would make the item `rel` (only where it has a group).
+    pub(super) fn admit_mkdir(&self, rel: &Path) -> io::Result<()> {
         let path = self.at(rel)?;
         let parent_exists = path.parent().is_some_and(Path::is_dir);
         if !parent_exists {
@@ -28,24 +34,45 @@ impl ConfigfsDouble {
             return Err(errno(libc::EEXIST));
         }
         match classify(rel) {
-            Place::Subsystem(name) => self.make_subsystem(&path, name),
-            Place::Namespace(_, n) => self.make_namespace(&path, n),
-            Place::Port(p) => self.make_port(&path, p),
-            Place::Host(_) => self.make_host(&path),
+            Place::Subsystem(name) => {
+                if name == DISCOVERY_NQN {
+                    return Err(errno(libc::EINVAL));
+                }
+                if name.len() > 255 {
+                    return Err(errno(libc::ENAMETOOLONG));
+                }
+                Ok(())
+            }
+            Place::Namespace(_, n) => {
+                let nsid = kstrtou(n, u64::from(u32::MAX))?;
+                if nsid == 0 || nsid == u64::from(u32::MAX) {
+                    return Err(errno(libc::EINVAL));
+                }
+                Ok(())
+            }
+            Place::Port(p) => kstrtou(p, u64::from(u16::MAX))
+                .map(drop)
+                .map_err(|_| errno(libc::EINVAL)),
+            Place::Host(_) => Ok(()),
             // Configfs has no make_group there: "Lack-of-mkdir returns -EPERM".
             _ => Err(errno(libc::EPERM)),
         }
     }
 
+    /// The item `rel` was made: what the kernel gives it.
+    pub(super) fn mkdir_done(&self, rel: &Path) -> io::Result<()> {
+        let path = self.at(rel)?;
+        match classify(rel) {
+            Place::Subsystem(_) => self.make_subsystem(&path),
+            Place::Namespace(..) => self.make_namespace(&path),
+            Place::Port(_) => self.make_port(&path),
+            Place::Host(_) => self.make_host(&path),
+            _ => Err(errno(libc::EPERM)),
+        }
+    }
+
     /// A subsystem: its default groups and the kernel's attributes, with a random serial.
-    fn make_subsystem(&self, path: &Path, name: &str) -> io::Result<()> {
-        if name == DISCOVERY_NQN {
-            return Err(errno(libc::EINVAL));
-        }
-        if name.len() > 255 {
-            return Err(errno(libc::ENAMETOOLONG));
-        }
-        fs::create_dir(path)?;
+    fn make_subsystem(&self, path: &Path) -> io::Result<()> {
         fs::create_dir(path.join("namespaces"))?;
         fs::create_dir(path.join("allowed_hosts"))?;
         let serial: String = uuid::Uuid::new_v4().simple().to_string()[..20].to_owned();
@@ -65,12 +92,7 @@ impl ConfigfsDouble {
 
     /// A namespace: a random UUID and a zero NGUID, like the kernel; `resv_enable` where the
     /// modelled kernel has reservations.
-    fn make_namespace(&self, path: &Path, n: &str) -> io::Result<()> {
-        let nsid = kstrtou(n, u64::from(u32::MAX))?;
-        if nsid == 0 || nsid == u64::from(u32::MAX) {
-            return Err(errno(libc::EINVAL));
-        }
-        fs::create_dir(path)?;
+    fn make_namespace(&self, path: &Path) -> io::Result<()> {
         let uuid = uuid::Uuid::new_v4().hyphenated().to_string();
         let mut attrs = vec![
             ("device_path", "(null)"),
@@ -91,9 +113,7 @@ impl ConfigfsDouble {
     }
 
     /// A port: its default groups (ANA group 1 optimized) and empty address attributes.
-    fn make_port(&self, path: &Path, p: &str) -> io::Result<()> {
-        kstrtou(p, u64::from(u16::MAX)).map_err(|_| errno(libc::EINVAL))?;
-        fs::create_dir(path)?;
+    fn make_port(&self, path: &Path) -> io::Result<()> {
         for group in ["subsystems", "referrals", "ana_groups", "ana_groups/1"] {
             fs::create_dir(path.join(group))?;
         }
@@ -113,7 +133,6 @@ impl ConfigfsDouble {
 
     /// A host entry, with the `dhchap_*` attributes where the modelled kernel authenticates.
     fn make_host(&self, path: &Path) -> io::Result<()> {
-        fs::create_dir(path)?;
         if self.auth_modelled() {
             for (attr, value) in [
                 (crate::auth::DHCHAP_KEY, ""),
@@ -127,7 +146,10 @@ impl ConfigfsDouble {
         Ok(())
     }
 
-    pub(super) fn rmdir(&self, rel: &Path) -> io::Result<()> {
+    /// Whether configfs would remove the item `rel`; if so, clears what it holds besides its
+    /// own directory (attributes and default groups, which configfs drops with it), so the plain
+    /// `rmdir` that follows finds it empty.
+    pub(super) fn admit_rmdir(&self, rel: &Path) -> io::Result<()> {
         let path = self.at(rel)?;
         let meta = path.symlink_metadata().map_err(|_| errno(libc::ENOENT))?;
         if !meta.is_dir() {
@@ -174,7 +196,24 @@ impl ConfigfsDouble {
             }
             _ => return Err(errno(libc::EPERM)),
         }
-        fs::remove_dir_all(path)?;
+        Self::clear(&path)
+    }
+
+    /// Removes everything inside the directory `path`, leaving it empty.
+    fn clear(path: &Path) -> io::Result<()> {
+        for entry in fs::read_dir(path)? {
+            let entry = entry?;
+            if entry.file_type()?.is_dir() {
+                fs::remove_dir_all(entry.path())?;
+            } else {
+                fs::remove_file(entry.path())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The item `rel` was removed: what the kernel forgets with it.
+    pub(super) fn rmdir_done(&self, rel: &Path) -> io::Result<()> {
         if let Place::Subsystem(nqn) = classify(rel) {
             // The kernel keeps "a host identified it" in the subsystem itself
             // (`subsys_discovered`), so it goes with it: a subsystem made again under the same

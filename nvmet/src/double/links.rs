@@ -1,4 +1,5 @@
-//! Links (allowed hosts, a port's subsystems) and what linking a port enables.
+//! Links (allowed hosts, a port's subsystems) and what linking a port enables: `admit_*`
+//! before the plain `symlink`/`unlink`, `*_done` after it (see [`crate::rules`]).
 //!
 //! Invariants:
 //! - Only `allowed_hosts/<host>` (to a host entry) and `ports/<p>/subsystems/<s>` (to a
@@ -13,6 +14,7 @@ use std::fs;
 use std::io;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::place::{Place, classify};
 use super::{ConfigfsDouble, PORT_LINKS, PRIVATE_DIR, errno};
@@ -103,7 +105,9 @@ impl ConfigfsDouble {
         Ok(())
     }
 
-    pub(super) fn symlink(&self, target_rel: &Path, link_rel: &Path) -> io::Result<()> {
+    /// Whether configfs would make the link `link_rel` to `target_rel` (and enable the port it
+    /// is the first subsystem of).
+    pub(super) fn admit_symlink(&self, target_rel: &Path, link_rel: &Path) -> io::Result<()> {
         let link = self.at(link_rel)?;
         let target = self.at(target_rel)?;
         let place = classify(link_rel);
@@ -126,7 +130,6 @@ impl ConfigfsDouble {
             return Err(errno(libc::EEXIST));
         }
         let link_dir = link.parent().ok_or_else(|| errno(libc::EPERM))?;
-        let mut marker = None;
         match (place, classify(target_rel)) {
             (Place::AllowedHostLink(nqn, _), Place::Host(_)) => {
                 if self.attr(
@@ -145,24 +148,38 @@ impl ConfigfsDouble {
                         return Err(errno(libc::EEXIST));
                     }
                 }
+                Ok(())
             }
             (Place::PortSubsystemLink(port, _), Place::Subsystem(target)) => {
-                let m = self.port_link_marker(port, target);
-                if m.exists() {
+                if self.port_link_marker(port, target).exists() {
                     return Err(errno(libc::EEXIST));
                 }
                 if !Self::non_empty(link_dir)? {
                     self.enable_port(port)?;
                 }
-                marker = Some(m);
+                Ok(())
             }
-            _ => return Err(errno(libc::EINVAL)),
+            _ => Err(errno(libc::EINVAL)),
         }
+    }
+
+    /// The link `link_rel` to `target_rel` was made: it reads back relative, as configfs
+    /// returns links (replaced in one rename, so no reader finds it missing), and a port's link
+    /// is marked.
+    pub(super) fn symlink_done(&self, target_rel: &Path, link_rel: &Path) -> io::Result<()> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let link = self.at(link_rel)?;
         // Relative, like configfs: from <root>/<a>/<b>/<c>/link, three levels up is the root.
         let depth = link_rel.components().count() - 1;
         let relative = Path::new(&"../".repeat(depth)).join(target_rel);
-        std::os::unix::fs::symlink(relative, &link)?;
-        if let Some(m) = marker {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let temp = (self.root.join(PRIVATE_DIR)).join(format!("link.{}.{n}", std::process::id()));
+        std::os::unix::fs::symlink(relative, &temp)?;
+        fs::rename(&temp, &link)?;
+        if let (Place::PortSubsystemLink(port, _), Place::Subsystem(target)) =
+            (classify(link_rel), classify(target_rel))
+        {
+            let m = self.port_link_marker(port, target);
             if let Some(parent) = m.parent() {
                 fs::create_dir_all(parent)?;
             }
@@ -171,7 +188,8 @@ impl ConfigfsDouble {
         Ok(())
     }
 
-    pub(super) fn unlink(&self, rel: &Path) -> io::Result<()> {
+    /// Whether configfs would remove the link `rel`; the tree-relative item it names.
+    pub(super) fn admit_unlink(&self, rel: &Path) -> io::Result<PathBuf> {
         let path = self.at(rel)?;
         let meta = path.symlink_metadata().map_err(|_| errno(libc::ENOENT))?;
         if meta.is_dir() {
@@ -180,12 +198,15 @@ impl ConfigfsDouble {
         if !meta.file_type().is_symlink() {
             return Err(errno(libc::EPERM));
         }
-        let target = self.resolve_link(&path)?;
-        fs::remove_file(path)?;
-        // Unlinking a subsystem from a port deletes every controller of it on that port
-        // (nvmet_port_subsys_drop_link); dropping an allowed_hosts link deletes none.
+        self.resolve_link(&path)
+    }
+
+    /// The link `rel` to `target` was removed: unlinking a subsystem from a port deletes every
+    /// controller of it on that port (nvmet_port_subsys_drop_link); dropping an allowed_hosts
+    /// link deletes none.
+    pub(super) fn unlink_done(&self, rel: &Path, target: &Path) -> io::Result<()> {
         if let Place::PortSubsystemLink(port, nqn) = classify(rel) {
-            if let Place::Subsystem(linked) = classify(&target) {
+            if let Place::Subsystem(linked) = classify(target) {
                 let m = self.port_link_marker(port, linked);
                 if m.exists() {
                     fs::remove_file(m)?;

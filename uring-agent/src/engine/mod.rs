@@ -14,6 +14,10 @@
 //!   installs the complete new one (rename is atomic); success is reported only after the
 //!   directory fsync, so a reported success survives a crash.
 //! - A configfs plan stops at the first failed operation; later operations never run.
+//! - A plan on a double's tree ([`ConfigfsRoot::ruled`]) runs the same path as on the kernel,
+//!   each operation admitted by the double's rules before its syscalls and completed after
+//!   them; a refusal fails the plan at that operation exactly as the kernel's errno would
+//!   ([`EngineError::Configfs`] naming it), and nothing after it runs.
 
 pub mod sync;
 pub mod uring;
@@ -27,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use pillar_nvmet::{ApplyError, Op};
+use pillar_nvmet::{ApplyError, ConfigfsRules, Op};
 
 /// The steps of a durable replace, in order. Named in errors and used for fault injection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -127,6 +131,41 @@ impl DurableDir {
 
     fn raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
+    }
+}
+
+/// An nvmet tree configfs plans run against: the kernel's (configfs enforces its rules inside
+/// the syscalls), or a plain tree with the kernel's rules kept beside it (the test double,
+/// [`pillar_nvmet::ConfigfsDouble`]), which the engine applies around each operation's
+/// syscalls. Either way the plan goes through the engine's own configfs path.
+#[derive(Clone, Debug)]
+pub struct ConfigfsRoot {
+    dir: Arc<DurableDir>,
+    rules: Option<Arc<dyn ConfigfsRules>>,
+}
+
+impl ConfigfsRoot {
+    /// The kernel's tree, open at `dir`.
+    pub fn kernel(dir: Arc<DurableDir>) -> Self {
+        Self { dir, rules: None }
+    }
+
+    /// A plain tree at `dir` under `rules`.
+    pub fn ruled(dir: Arc<DurableDir>, rules: Arc<dyn ConfigfsRules>) -> Self {
+        Self {
+            dir,
+            rules: Some(rules),
+        }
+    }
+
+    /// The tree's directory.
+    pub fn dir(&self) -> &Arc<DurableDir> {
+        &self.dir
+    }
+
+    /// The rules kept beside a plain tree; `None` for the kernel's.
+    pub fn rules(&self) -> Option<&Arc<dyn ConfigfsRules>> {
+        self.rules.as_ref()
     }
 }
 
@@ -282,11 +321,11 @@ impl Engine {
         }
     }
 
-    /// Runs a configfs plan against the nvmet tree open at `root`, in order, stopping at the
-    /// first failure.
+    /// Runs a configfs plan against the nvmet tree `root`, in order, stopping at the first
+    /// failure.
     pub async fn apply_configfs(
         &self,
-        root: &Arc<DurableDir>,
+        root: &ConfigfsRoot,
         ops: Vec<Op>,
     ) -> Result<(), EngineError> {
         if ops.is_empty() {

@@ -6,9 +6,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use pillar_durable::DurableFs;
-use pillar_nvmet::{KernelExecutor, Op, apply};
+use pillar_nvmet::{KernelExecutor, Op, Ruled, apply};
 
-use super::{DurableDir, DurableStep, EngineError, EngineStats, FaultInjection, temp_name};
+use super::{
+    ConfigfsRoot, DurableDir, DurableStep, EngineError, EngineStats, FaultInjection, temp_name,
+};
 
 /// See the module documentation.
 #[derive(Debug)]
@@ -116,12 +118,17 @@ impl SyncEngine {
 
     pub(super) async fn apply_configfs(
         &self,
-        root: &Arc<DurableDir>,
+        root: &ConfigfsRoot,
         ops: Vec<Op>,
     ) -> Result<(), EngineError> {
-        let mut exec = KernelExecutor::new(root.path());
+        let mut exec = KernelExecutor::new(root.dir().path());
+        let rules = root.rules().cloned();
         EngineStats::add(&self.stats.submissions, 1);
-        crate::blocking::spawn(move || apply(&mut exec, &ops))
+        crate::blocking::spawn(move || match &rules {
+            None => apply(&mut exec, &ops),
+            // A double's tree: its rules around each syscall.
+            Some(rules) => apply(&mut Ruled::new(rules.as_ref(), exec), &ops),
+        })
             .await
             .map_err(EngineError::Join)??;
         EngineStats::add(&self.stats.configfs_plans, 1);

@@ -285,10 +285,10 @@ pub(super) fn cleanup(id: FlightId, cleanup: &Cleanup) -> Vec<Entry> {
 }
 
 /// Where the segment of `ops` that starts at `next` ends: after its first operation other than
-/// an attribute write (whose failure would not stop the rest), or after [`MAX_OPS_PER_CHAIN`]
-/// operations, or at the end of the plan.
-pub(super) fn segment_end(ops: &[CfgOp], next: usize) -> usize {
-    let limit = next.saturating_add(MAX_OPS_PER_CHAIN).min(ops.len());
+/// an attribute write (whose failure would not stop the rest), or after `max_ops` operations
+/// ([`MAX_OPS_PER_CHAIN`] on the kernel, 1 under a double's rules), or at the end of the plan.
+pub(super) fn segment_end(ops: &[CfgOp], next: usize, max_ops: usize) -> usize {
+    let limit = next.saturating_add(max_ops.max(1)).min(ops.len());
     ops.iter()
         .enumerate()
         .take(limit)
@@ -297,18 +297,18 @@ pub(super) fn segment_end(ops: &[CfgOp], next: usize) -> usize {
         .map_or(limit, |(i, _)| i + 1)
 }
 
-/// The chain of operations `next..segment_end(ops, next)` of a configfs plan against the tree
-/// open at `rootfd`, writing attributes through `slot`.
+/// The chain of operations `next..segment_end(ops, next, max_ops)` of a configfs plan against
+/// the tree open at `rootfd`, writing attributes through `slot`.
 pub(super) fn configfs_segment(
     id: FlightId,
     ops: &[CfgOp],
-    next: usize,
+    (next, max_ops): (usize, usize),
     rootfd: RawFd,
     slot: &Slot,
     skip_success: bool,
 ) -> Chain<CfgStep> {
     let root = Fd(rootfd);
-    let end = segment_end(ops, next);
+    let end = segment_end(ops, next, max_ops);
     let mut chain = Builder::new();
     let single = |op| CfgStep {
         op,
@@ -621,8 +621,9 @@ mod tests {
         let mut chains = Vec::new();
         let mut next = 0;
         while next < ops.len() {
-            chains.push(configfs_segment(id(), &ops, next, DIRFD, &slot(), true));
-            next = segment_end(&ops, next);
+            let span = (next, MAX_OPS_PER_CHAIN);
+            chains.push(configfs_segment(id(), &ops, span, DIRFD, &slot(), true));
+            next = segment_end(&ops, next, MAX_OPS_PER_CHAIN);
         }
         // Each operation whose failure would not stop the rest ends its segment.
         let single = |op| {
@@ -683,15 +684,34 @@ mod tests {
         let mut next = 0;
         let mut segments = Vec::new();
         while next < len {
-            let chain = configfs_segment(id(), &ops, next, DIRFD, &slot(), false);
+            let span = (next, MAX_OPS_PER_CHAIN);
+            let chain = configfs_segment(id(), &ops, span, DIRFD, &slot(), false);
             let mut covered: Vec<usize> = steps(&chain).iter().map(|s| s.op).collect();
             covered.dedup();
-            let end = segment_end(&ops, next);
+            let end = segment_end(&ops, next, MAX_OPS_PER_CHAIN);
             assert_eq!(covered, (next..end).collect::<Vec<_>>());
             segments.push(covered.len());
             next = end;
         }
         assert_eq!(segments, [MAX_OPS_PER_CHAIN, MAX_OPS_PER_CHAIN, 5]);
+    }
+
+    // Under a double's rules each operation is admitted before its chain and completed after
+    // it, so a segment is one operation, even of attribute writes that would share a chain.
+    #[test]
+    fn a_segment_of_one_operation_holds_that_operation_alone() {
+        let write = |i: usize| CfgOp::Write {
+            path: cfg(&format!("attr{i}")),
+            value: b"1".to_vec(),
+            len: 1,
+        };
+        let ops = vec![write(0), write(1), CfgOp::Mkdir { path: cfg("a") }, write(2)];
+        for next in 0..ops.len() {
+            assert_eq!(segment_end(&ops, next, 1), next + 1);
+            let chain = configfs_segment(id(), &ops, (next, 1), DIRFD, &slot(), true);
+            assert!(steps(&chain).iter().all(|s| s.op == next), "{next}");
+        }
+        assert_eq!(segment_end(&ops, 0, MAX_OPS_PER_CHAIN), 3, "the kernel's segments");
     }
 
     #[test]

@@ -10,10 +10,11 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use pillar_nvmet::{ApplyError, Op};
+use pillar_nvmet::{Admitted, ApplyError, ConfigfsRules, Op};
 use tokio::sync::oneshot;
 
 use super::admission::Permit;
+use super::chain::MAX_OPS_PER_CHAIN;
 use crate::engine::{DurableDir, DurableStep, EngineError, c_path, temp_name};
 
 /// Where a request's answer goes, with the request's place in the engine's bound
@@ -118,12 +119,61 @@ impl DurableKind {
 /// A configfs plan, run in segments of linked chains; `next` is the first operation not yet run.
 pub(super) struct ConfigfsJob {
     pub root: Arc<DurableDir>,
+    /// The kernel's rules when the tree is a double (`None` on the kernel): each operation is
+    /// then admitted before its own chain and completed after it.
+    pub rules: Option<Arc<dyn ConfigfsRules>>,
+    /// What the rules admitted of operation `next`, until it is completed.
+    pub admitted: Option<Admitted>,
     /// The plan as given, for errors.
     pub ops: Vec<Op>,
     /// The plan as entries need it, one per operation of `ops`.
     pub prepared: Vec<CfgOp>,
     pub next: usize,
     pub reply: Reply,
+}
+
+impl ConfigfsJob {
+    /// Operations per chain: [`MAX_OPS_PER_CHAIN`] on the kernel; one under rules, which must
+    /// see each operation's result before they admit the next.
+    pub(super) fn ops_per_chain(&self) -> usize {
+        if self.rules.is_some() {
+            1
+        } else {
+            MAX_OPS_PER_CHAIN
+        }
+    }
+
+    fn failed(&self, source: io::Error) -> ApplyError {
+        ApplyError {
+            index: self.next,
+            // `next` indexes the plan while the job runs.
+            op: self.ops[self.next].clone(),
+            source,
+        }
+    }
+
+    /// Admits operation `next` under the rules (once: a segment waiting for room in the queue
+    /// is not admitted again). A refusal fails the plan at that operation, as the kernel's
+    /// errno on its syscall would.
+    pub(super) fn admit_next(&mut self) -> Result<(), ApplyError> {
+        let Some(rules) = &self.rules else {
+            return Ok(());
+        };
+        if self.admitted.is_none() {
+            let admitted = rules.admit(&self.ops[self.next]);
+            self.admitted = Some(admitted.map_err(|e| self.failed(e))?);
+        }
+        Ok(())
+    }
+
+    /// Completes operation `next` under the rules, once its chain succeeded.
+    pub(super) fn complete_next(&mut self) -> Result<(), ApplyError> {
+        let (Some(rules), Some(admitted)) = (&self.rules, self.admitted.take()) else {
+            return Ok(());
+        };
+        let done = rules.complete(&self.ops[self.next], admitted);
+        done.map_err(|e| self.failed(e))
+    }
 }
 
 /// One configfs operation with its paths as C strings (relative to the configfs root, except

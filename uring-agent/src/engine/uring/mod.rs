@@ -18,7 +18,10 @@
 //!   its own rename completed.
 //! - A configfs plan runs as linked chains (attribute writes are `openat -> write -> close` on a
 //!   direct descriptor) of at most [`MAX_OPS_PER_CHAIN`] operations, each ending after its first
-//!   mkdir, symlink, unlink or rmdir, so the plan stops at its first failure.
+//!   mkdir, symlink, unlink or rmdir, so the plan stops at its first failure. On a double's tree
+//!   ([`ConfigfsRoot::ruled`]) each operation is a chain of its own: the ring thread has the
+//!   rules admit it before its chain is pushed (a refusal ends the plan there, as the kernel's
+//!   errno on that syscall would) and complete it once its chain succeeded.
 //! - A push the kernel refuses is never dropped: a busy queue (`EBUSY`/`EAGAIN`) waits for the
 //!   next round, any other error answers the request with [`EngineError::Submit`].
 //! - Bounded: the engine holds at most [`MAX_QUEUED`] requests (sent and not yet answered,
@@ -58,7 +61,7 @@ pub use chain::MAX_OPS_PER_CHAIN;
 #[cfg(any(test, feature = "test-seams"))]
 pub use chain::replace_steps;
 
-use super::{BatchObserver, DurableDir, EngineError, EngineStats, FaultInjection};
+use super::{BatchObserver, ConfigfsRoot, DurableDir, EngineError, EngineStats, FaultInjection};
 use admission::Admission;
 use chain::ChainOptions;
 use flight::SlotPool;
@@ -338,16 +341,18 @@ impl UringEngine {
 
     pub(super) async fn apply_configfs(
         &self,
-        root: &Arc<DurableDir>,
+        root: &ConfigfsRoot,
         ops: Vec<Op>,
     ) -> Result<(), EngineError> {
         if ops.is_empty() {
             return Ok(());
         }
-        let prepared = prepare_plan(&ops, root.path())?;
+        let prepared = prepare_plan(&ops, root.dir().path())?;
         self.submit(|reply| {
             Job::Configfs(ConfigfsJob {
-                root: Arc::clone(root),
+                root: Arc::clone(root.dir()),
+                rules: root.rules().cloned(),
+                admitted: None,
                 ops,
                 prepared,
                 next: 0,

@@ -378,14 +378,20 @@ impl RingThread {
         }
     }
 
-    /// Pushes the plan's segment starting at `job.next`.
-    fn start_segment(&mut self, job: ConfigfsJob, slot: Slot) -> Start<ConfigfsJob> {
+    /// Pushes the plan's segment starting at `job.next`; under a double's rules, once they
+    /// admitted its operation (a refusal answers the plan as the kernel's errno would).
+    fn start_segment(&mut self, mut job: ConfigfsJob, slot: Slot) -> Start<ConfigfsJob> {
+        if let Err(refused) = job.admit_next() {
+            self.slots.put(slot);
+            answer(job.reply, Err(EngineError::Configfs(refused)));
+            return Start::Answered;
+        }
         let id = self.ids.next();
         let rootfd = job.root.raw_fd();
         let chain = chain::configfs_segment(
             id,
             &job.prepared,
-            job.next,
+            (job.next, job.ops_per_chain()),
             rootfd,
             &slot,
             self.options.skip_success,
@@ -552,9 +558,10 @@ impl RingThread {
             chain,
             slot,
         } = flight;
-        let result = chain.outcome(&job.ops);
+        // Under rules the segment is one operation, completed once its syscalls succeeded.
+        let result = chain.outcome(&job.ops).and_then(|()| job.complete_next());
         let left_open = chain.slot_left_open();
-        let end = chain::segment_end(&job.prepared, job.next);
+        let end = chain::segment_end(&job.prepared, job.next, job.ops_per_chain());
         if result.is_ok() && end < job.prepared.len() {
             job.next = end;
             let start = if left_open {
