@@ -284,6 +284,16 @@ pub(super) fn cleanup(id: FlightId, cleanup: &Cleanup) -> Vec<Entry> {
     chain.seal(id, false).entries
 }
 
+/// Operations a chain may hold: [`MAX_OPS_PER_CHAIN`] on the kernel, one where each must be
+/// admitted by a double's rules after the one before it ran.
+pub(super) fn ops_per_chain(one_op_per_chain: bool) -> usize {
+    if one_op_per_chain {
+        1
+    } else {
+        MAX_OPS_PER_CHAIN
+    }
+}
+
 /// Where the segment of `ops` that starts at `next` ends: after its first operation other than
 /// an attribute write (whose failure would not stop the rest), or after `max_ops` operations
 /// ([`MAX_OPS_PER_CHAIN`] on the kernel, 1 under a double's rules), or at the end of the plan.

@@ -14,7 +14,6 @@ use pillar_nvmet::{Admitted, ApplyError, ConfigfsRules, Op};
 use tokio::sync::oneshot;
 
 use super::admission::Permit;
-use super::chain::MAX_OPS_PER_CHAIN;
 use crate::engine::{DurableDir, DurableStep, EngineError, c_path, temp_name};
 
 /// Where a request's answer goes, with the request's place in the engine's bound
@@ -133,14 +132,10 @@ pub(super) struct ConfigfsJob {
 }
 
 impl ConfigfsJob {
-    /// Operations per chain: [`MAX_OPS_PER_CHAIN`] on the kernel; one under rules, which must
-    /// see each operation's result before they admit the next.
-    pub(super) fn ops_per_chain(&self) -> usize {
-        if self.rules.is_some() {
-            1
-        } else {
-            MAX_OPS_PER_CHAIN
-        }
+    /// Whether each operation needs a chain of its own: under a double's rules, which must see
+    /// each operation's result before they admit the next.
+    pub(super) fn one_op_per_chain(&self) -> bool {
+        self.rules.is_some()
     }
 
     fn failed(&self, source: io::Error) -> ApplyError {

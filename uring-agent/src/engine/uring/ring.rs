@@ -391,7 +391,7 @@ impl RingThread {
         let chain = chain::configfs_segment(
             id,
             &job.prepared,
-            (job.next, job.ops_per_chain()),
+            (job.next, chain::ops_per_chain(job.one_op_per_chain())),
             rootfd,
             &slot,
             self.options.skip_success,
@@ -561,7 +561,11 @@ impl RingThread {
         // Under rules the segment is one operation, completed once its syscalls succeeded.
         let result = chain.outcome(&job.ops).and_then(|()| job.complete_next());
         let left_open = chain.slot_left_open();
-        let end = chain::segment_end(&job.prepared, job.next, job.ops_per_chain());
+        let end = chain::segment_end(
+            &job.prepared,
+            job.next,
+            chain::ops_per_chain(job.one_op_per_chain()),
+        );
         if result.is_ok() && end < job.prepared.len() {
             job.next = end;
             let start = if left_open {
