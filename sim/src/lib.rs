@@ -49,6 +49,8 @@ pub mod host;
 pub mod invariants;
 pub mod kernel;
 pub mod node;
+#[cfg(test)]
+mod node_expand_tests;
 mod ops;
 pub mod rng;
 pub mod run;

@@ -1,16 +1,21 @@
 //! The operations a seed draws: the controller's (through a replica), the kubelets' (through
 //! the hosts, `crate::host`), and the agent crash, each from the seed's generator.
+//!
+//! The weights below decide which operation a roll draws; a weight added at the end (as
+//! NodeExpandVolume's was) leaves every other range where it was but changes the roll's
+//! modulus, so a seed draws other operations than before it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pillar_csi::controller::{Controller, code_of, volume_id_for_name};
 use pillar_csi::{context, csi};
 use pillar_state::StateStore;
 
-use crate::host::{Publication, SharedHost};
+use crate::host::{Publication, SharedHost, lock_host};
+use crate::invariants::{NodeAck, StageKey};
 use crate::world::{World, host};
 
 /// One operation, run as a task.
@@ -51,6 +56,7 @@ const NODE_STAGE: u64 = EXPAND + 14;
 const NODE_PUBLISH: u64 = NODE_STAGE + 6;
 const NODE_UNPUBLISH: u64 = NODE_PUBLISH + 5;
 const NODE_UNSTAGE: u64 = NODE_UNPUBLISH + 8;
+const NODE_EXPAND: u64 = NODE_UNSTAGE + 6;
 
 fn pick(w: &World) -> Pick {
     let c = &w.chaos;
@@ -67,7 +73,7 @@ fn pick(w: &World) -> Pick {
         .unwrap_or_default();
     let node = 1 + u32::try_from(c.below(u64::from(w.config.nodes))).unwrap_or(0);
     let variant = u32::try_from(c.below(2)).unwrap_or(0);
-    let roll = c.below(NODE_UNSTAGE);
+    let roll = c.below(NODE_EXPAND);
     let snapshot = format!("snap-{}", c.below(volumes));
     Pick {
         replica,
@@ -315,27 +321,36 @@ fn expand(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
     };
     let store = Arc::clone(&w.store);
     let expansions = Arc::clone(&w.expansions);
+    let node_resizes = Arc::clone(&w.node_resizes);
     let id = p.id.clone();
     (
         format!("ExpandVolume {} to {size}", p.name),
         Box::pin(async move {
-            let uid = |store: &pillar_state::MemoryStore| {
-                store
-                    .records::<pillar_state::crd::PillarVolumeState>()
-                    .ok()
-                    .and_then(|r| r.get(&id).and_then(|v| v.metadata.uid.clone()))
-            };
-            let before = uid(&store);
+            let before = lifecycle(&store, &id);
             let answer = replica.expand(req).await.map_err(|e| status(&e))?;
-            if let Some(uid) = before.filter(|b| Some(b) == uid(&store).as_ref()) {
+            if let Some(uid) = before.filter(|b| Some(b) == lifecycle(&store, &id).as_ref()) {
                 let acked = u64::try_from(answer.capacity_bytes).unwrap_or(0);
+                let key = (id, uid);
                 let mut e = expansions.lock().unwrap_or_else(PoisonError::into_inner);
-                let kept = e.entry((id, uid)).or_default();
+                let kept = e.entry(key.clone()).or_default();
                 *kept = (*kept).max(acked);
+                if answer.node_expansion_required {
+                    let mut r = node_resizes.lock().unwrap_or_else(PoisonError::into_inner);
+                    let capacity = r.entry(key).or_default();
+                    *capacity = (*capacity).max(acked);
+                }
             }
             Ok(())
         }),
     )
+}
+
+/// The lifecycle (UID) volume `id`'s record holds now.
+fn lifecycle(store: &pillar_state::MemoryStore, id: &str) -> Option<String> {
+    store
+        .records::<pillar_state::crd::PillarVolumeState>()
+        .ok()
+        .and_then(|r| r.get(id).and_then(|v| v.metadata.uid.clone()))
 }
 
 /// The index in `w.hosts` of the host a node ID names.
@@ -405,6 +420,7 @@ fn kubelet(w: &World, p: &Pick) -> Draw {
             };
             kubelet_stage_or_publish(w, p, id, node_id, publication)
         }
+        NODE_UNSTAGE.. => kubelet_expand(w, p),
         _ => kubelet_unpublish_or_unstage(w, p),
     }
 }
@@ -456,5 +472,90 @@ fn kubelet_unpublish_or_unstage(w: &World, p: &Pick) -> Draw {
             format!("NodeUnstage {at}"),
             Box::pin(async move { fabric.unstage(&host, &id) }),
         )
+    }
+}
+
+/// A kubelet's NodeExpandVolume of a volume a host (drawn) holds staged, once a
+/// ControllerExpandVolume of its lifecycle answered `node_expansion_required`: to the capacity
+/// answered, at the staging path or one of the volume's publish targets (drawn). An answer is
+/// an acknowledged node expansion of that stage (invariant 9).
+fn kubelet_expand(w: &World, p: &Pick) -> Draw {
+    use csi::volume_capability::access_mode::Mode;
+    let index = usize::try_from((p.node - 1) * 2 + p.variant).unwrap_or(0);
+    let node_id = format!("node-{}/{}", p.node, host(p.node, p.variant));
+    let host: SharedHost = Arc::clone(&w.hosts[index]);
+    let staged = lock_host(&host).staged();
+    if staged.is_empty() {
+        return Draw::Skip(format!("kubelet: nothing staged on host {index}"));
+    }
+    let drawn = usize::try_from(w.chaos.below(staged.len() as u64)).unwrap_or(0);
+    let Some((id, s)) = staged.into_iter().nth(drawn) else {
+        return Draw::Skip(format!("kubelet: nothing staged on host {index}"));
+    };
+    let uid = lifecycle(&w.store, &id);
+    let required = uid.and_then(|uid| {
+        w.node_resizes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&(id.clone(), uid))
+            .copied()
+    });
+    let Some(required) = required else {
+        return Draw::Skip(format!(
+            "kubelet: no expansion of {id} to apply on host {index}"
+        ));
+    };
+    let targets: Vec<String> = s.published.into_keys().collect();
+    let at = usize::try_from(w.chaos.below(targets.len() as u64 + 1))
+        .ok()
+        .and_then(|i| i.checked_sub(1))
+        .and_then(|i| targets.get(i).cloned());
+    // The capability kubelet sends is the PV's (its first access mode, its filesystem).
+    let cap = w
+        .publications
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&(id.clone(), node_id))
+        .map_or_else(
+            || capability(Mode::SingleNodeWriter),
+            |p| p.capability.clone(),
+        );
+    let (fabric, store) = (w.fabric.clone(), Arc::clone(&w.store));
+    let acks = Arc::clone(&w.node_expansions);
+    Draw::Task(
+        format!("NodeExpand {id} on host {index} to {required} at {at:?}"),
+        Box::pin(async move {
+            let answered = fabric
+                .expand(&host, &id, at.as_deref(), &cap, required)
+                .await?;
+            // Nothing ran since the answer (the call runs whole and this task has not yielded
+            // since): the stage, the lifecycle and the namespace are as the answer left them.
+            acknowledge_node_expansion(&host, index, &store, &acks, id, answered);
+            Ok(())
+        }),
+    )
+}
+
+/// Records NodeExpandVolume's answer `answered` for volume `id` on host `index` (invariant
+/// 9), right after it came: as an answer for the stage standing now and the lifecycle the
+/// record holds now, with what the target's namespace holds now.
+pub(crate) fn acknowledge_node_expansion(
+    host: &SharedHost,
+    index: usize,
+    store: &pillar_state::MemoryStore,
+    acks: &Mutex<BTreeMap<StageKey, NodeAck>>,
+    id: String,
+    answered: u64,
+) {
+    let h = lock_host(host);
+    let (Some(uid), Some(staged)) = (lifecycle(store, &id), h.staged().remove(&id)) else {
+        return;
+    };
+    let held = h.namespace_bytes(&staged);
+    let mut acks = acks.lock().unwrap_or_else(PoisonError::into_inner);
+    let ack = acks.entry((index, id, uid, staged.mount_id)).or_default();
+    ack.bytes = ack.bytes.max(answered);
+    if let Some(held) = held.filter(|h| answered > *h) {
+        ack.overclaim = ack.overclaim.or(Some((answered, held)));
     }
 }
