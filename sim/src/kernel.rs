@@ -32,7 +32,6 @@
 //! and time (the engine's waits are given no time: the connect timeout is zero, so the namespace
 //! is there at once or not at all).
 
-use std::io::{Read, Seek, SeekFrom, Write};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -48,11 +47,14 @@ use pillar_nvmet::{ConfigfsDouble, HostNqn, Nguid, SubsystemNqn, parse_uuid};
 
 use crate::targets::{Reservations, Targets};
 
+mod disk;
+mod mounts;
+
+pub use disk::filesystem_bytes_in;
+use disk::{Fs, file_len};
+
 /// The major number of NVMe namespace devices.
 const NVME_MAJOR: u32 = 259;
-/// The header a filesystem leaves at the start of its device.
-const HEADER: usize = 64;
-const MAGIC: &str = "SIMFS";
 
 /// One of this host's controllers.
 #[derive(Clone, Debug)]
@@ -75,14 +77,6 @@ struct State {
     next_mount: u64,
     ctrls: Vec<Ctrl>,
     mounts: Vec<MountEntry>,
-}
-
-/// A filesystem's header on the disk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Fs {
-    fs: FsType,
-    bytes: u64,
-    dirty: bool,
 }
 
 /// A kernel that breaks a promise NodeExpandVolume relies on, for the tests that prove
@@ -165,37 +159,6 @@ fn target_namespace(root: &Path, nqn: &str) -> Option<(PathBuf, uuid::Uuid, Ngui
     let uuid = parse_uuid(&attr("device_uuid")?).ok()?;
     let nguid = Nguid::parse(&attr("device_nguid")?).ok()?;
     Some((PathBuf::from(attr("device_path")?), uuid, nguid))
-}
-
-/// A file's length (0 when it cannot be read: a namespace whose file is gone shows nothing).
-fn file_len(file: &Path) -> u64 {
-    std::fs::metadata(file).map(|m| m.len()).unwrap_or(0)
-}
-
-/// The filesystem header at the start of `file`: `Ok(None)` when there is none, `Err(())`
-/// when it is torn.
-fn read_header(file: &Path) -> std::io::Result<Result<Option<Fs>, ()>> {
-    let mut buf = [0u8; HEADER];
-    std::fs::File::open(file).and_then(|mut f| f.read(&mut buf))?;
-    let text = String::from_utf8_lossy(&buf);
-    let mut parts = text.trim_end_matches('\0').split_whitespace();
-    if parts.next() != Some(MAGIC) {
-        return Ok(Ok(None));
-    }
-    let fs = parts.next().and_then(|f| FsType::parse(f).ok());
-    let bytes = parts.next().and_then(|b| b.parse().ok());
-    let dirty = parts.next() == Some("dirty");
-    Ok(match (fs, bytes) {
-        (Some(fs), Some(bytes)) => Ok(Some(Fs { fs, bytes, dirty })),
-        _ => Err(()),
-    })
-}
-
-/// The size of the filesystem on the disk whose backing file is `file` (a volume's pool file),
-/// read from the disk, not through any host: `None` when it holds no filesystem (or a torn
-/// header). For invariant 9.
-pub fn filesystem_bytes_in(file: &Path) -> std::io::Result<Option<u64>> {
-    Ok(read_header(file)?.ok().flatten().map(|f| f.bytes))
 }
 
 impl SimKernel {
@@ -331,51 +294,6 @@ impl SimKernel {
         Ok((c, file))
     }
 
-    fn read_fs(&self, dev: &Path) -> Result<Option<Fs>, HostError> {
-        let (_, file) = self.backing(dev)?;
-        read_header(&file)
-            .map_err(|source| HostError::Device {
-                path: dev.to_path_buf(),
-                source,
-            })?
-            .map_err(|()| HostError::Probe {
-                device: dev.to_path_buf(),
-                detail: "a torn filesystem header".into(),
-            })
-    }
-
-    /// Writes `fs`'s header through the device: refused where another host holds the
-    /// reservation (Write Exclusive).
-    fn write_fs(&self, dev: &Path, fs: Fs) -> Result<(), HostError> {
-        let (c, file) = self.backing(dev)?;
-        if self
-            .reservations
-            .holder(&c.agent, &c.nqn)
-            .is_some_and(|k| k != self.key)
-        {
-            return Err(device_err(dev, libc::EBADE));
-        }
-        let line = format!(
-            "{MAGIC} {} {} {}\n",
-            fs.fs,
-            fs.bytes,
-            if fs.dirty { "dirty" } else { "clean" }
-        );
-        let mut buf = [0u8; HEADER];
-        buf[..line.len().min(HEADER)].copy_from_slice(&line.as_bytes()[..line.len().min(HEADER)]);
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&file)
-            .and_then(|mut f| {
-                f.seek(SeekFrom::Start(0))?;
-                f.write_all(&buf)
-            })
-            .map_err(|source| HostError::Device {
-                path: dev.to_path_buf(),
-                source,
-            })
-    }
-
     fn info(&self, c: &Ctrl) -> ControllerInfo {
         ControllerInfo {
             name: format!("nvme{}", c.instance),
@@ -465,70 +383,6 @@ impl SimKernel {
         ConfigfsDouble::create(root.clone())
             .and_then(|d| d.controllers(nqn))
             .is_ok_and(|c| c.contains(&(port, self.host_nqn.clone())))
-    }
-}
-
-impl SimKernel {
-    fn add_mount(&self, m: MountEntry) {
-        let mut state = self.lock();
-        state.next_mount += 1;
-        let mount_id = state.next_mount;
-        state.mounts.push(MountEntry { mount_id, ..m });
-    }
-
-    /// A mount of the filesystem on `dev`: the device node, its filesystem, the rules.
-    fn mount_fs(
-        &self,
-        dev: &Path,
-        target: &Path,
-        fs: FsType,
-        readonly: bool,
-        options: &[String],
-    ) -> Result<MountEntry, HostError> {
-        let fail = |e| mount_err(dev, target, fs.as_str(), e);
-        let c = self.ctrl_of(dev).ok_or_else(|| fail(libc::ENXIO))?;
-        if !target.is_dir() {
-            return Err(fail(libc::ENOENT));
-        }
-        let devnum = (NVME_MAJOR, c.instance);
-        {
-            let state = self.lock();
-            if state.mounts.iter().any(|m| m.mount_point == target) {
-                return Err(fail(libc::EBUSY));
-            }
-            // One superblock per device: never a second mount of it (N5 at the host).
-            if state.mounts.iter().any(|m| (m.major, m.minor) == devnum) {
-                return Err(fail(libc::EBUSY));
-            }
-        }
-        let found = self.read_fs(dev).map_err(|_| fail(libc::EIO))?;
-        let Some(mut on_disk) = found.filter(|f| f.fs == fs) else {
-            return Err(fail(libc::EINVAL));
-        };
-        let no_replay = options
-            .iter()
-            .any(|o| o == fs.no_log_replay_option() || o == "noload" || o == "norecovery");
-        if !readonly {
-            on_disk.dirty = true;
-            self.write_fs(dev, on_disk).map_err(|_| fail(libc::EROFS))?;
-        } else if on_disk.dirty && !no_replay {
-            // A read-only mount replays a dirty log: a write all the same.
-            on_disk.dirty = false;
-            self.write_fs(dev, on_disk).map_err(|_| fail(libc::EROFS))?;
-        }
-        let access = if readonly { "ro" } else { "rw" };
-        Ok(MountEntry {
-            mount_id: 0,
-            parent_id: 1,
-            major: devnum.0,
-            minor: devnum.1,
-            root: PathBuf::from("/"),
-            mount_point: target.to_path_buf(),
-            mount_options: access.into(),
-            fs_type: fs.as_str().into(),
-            source: dev.display().to_string(),
-            super_options: access.into(),
-        })
     }
 }
 
