@@ -1,9 +1,10 @@
 //! The hosts: a Kubernetes node's kubelet and node plugin. The node plugin is the real one
 //! (`pillar_csi::node::NodeService`: its request checks, its volume lock, its engine's stage,
-//! publish, unpublish and unstage, its stage records), run on the simulation's thread over a
+//! publish, unpublish, unstage and expand, its stage records), run on the simulation's thread over a
 //! kernel double ([`crate::kernel::SimKernel`]) that enforces the kernel's rules: the NVMe/TCP
 //! connect is the agent's target double deciding as the kernel does (port link, ACL,
-//! DH-HMAC-CHAP secret), the mounts are a table (one mount per device, a mount needs a live
+//! DH-HMAC-CHAP secret), a grown namespace shows its new size only once scanned (a rescan, a
+//! reconnect), the mounts are a table (one mount per device, a mount needs a live
 //! device and the filesystem its header names), the filesystem is a header in the volume's
 //! backing file (written only through a live controller and never against another host's
 //! Write Exclusive reservation), and the reservations are [`Reservations`], lost with the
@@ -35,6 +36,9 @@ pub struct Staged {
     pub nqn: String,
     pub port: u16,
     pub read_only: bool,
+    /// The staging mount's ID in the host's mount table: another stage of the volume is
+    /// another mount (invariant 9 holds for one stage).
+    pub mount_id: u64,
     /// Publish targets (their names under the host's `pods`) and whether each is read-only.
     pub published: BTreeMap<String, bool>,
 }
@@ -67,9 +71,37 @@ fn err(e: impl std::fmt::Display) -> String {
 }
 
 /// A node plugin error as the kubelet sees it: the gRPC code and the message, with the host's
-/// directory (a temp directory, another each run) left out so a seed's trace is the same.
+/// directory (a temp directory, another each run) and the wall time the engine waited (its
+/// timeouts are zero here, but it measures them) left out so a seed's trace is the same.
 fn status(e: &NodeError, dir: &Path) -> String {
-    format!("{:?}: {}", code_of(e), describe(e)).replace(&*dir.to_string_lossy(), "<host>")
+    let text =
+        format!("{:?}: {}", code_of(e), describe(e)).replace(&*dir.to_string_lossy(), "<host>");
+    without_waits(&text)
+}
+
+/// `text` with each duration after "after " or "within " (as `{:?}` prints one) replaced by
+/// `<time>`.
+fn without_waits(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = ["after ", "within "]
+        .iter()
+        .filter_map(|w| rest.find(w).map(|i| i + w.len()))
+        .min()
+    {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let len = rest
+            .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | 'µ' | 'n' | 'm' | 's')))
+            .unwrap_or(rest.len());
+        let token = &rest[..len];
+        if token.starts_with(|c: char| c.is_ascii_digit()) && token.ends_with('s') {
+            out.push_str("<time>");
+            rest = &rest[len..];
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The volume ID a subsystem NQN names.
@@ -139,6 +171,7 @@ impl SimHost {
                         nqn: nqn.clone(),
                         port: *port,
                         read_only: m.super_options == "ro",
+                        mount_id: m.mount_id,
                         published: BTreeMap::new(),
                     },
                 );
@@ -154,6 +187,16 @@ impl SimHost {
             }
         }
         out
+    }
+
+    /// What the target's namespace of `staged`'s subsystem holds, in bytes (invariant 9).
+    pub fn namespace_bytes(&self, staged: &Staged) -> Option<u64> {
+        self.kernel.namespace_bytes(&staged.nqn)
+    }
+
+    /// This host's kernel double (the tests break it on purpose).
+    pub fn kernel(&self) -> &SimKernel {
+        &self.kernel
     }
 
     /// Whether the target holds this host's controller of `staged`'s subsystem.
@@ -250,6 +293,37 @@ impl Fabric {
         plugin.unpublish_inline(&req).map_err(|e| status(&e, &dir))
     }
 
+    /// NodeExpandVolume of a staged volume to `required` bytes, as kubelet sends it after a
+    /// ControllerExpandVolume that answered `node_expansion_required`: `volume_path` is the
+    /// publish target `at` names (the expansion of a volume a pod uses) or, with `None`, the
+    /// staging path (kubelet's call right after NodeStage), `staging_target_path` the staging
+    /// path, the capacity range the PV's new capacity with no limit, the capability the PV's.
+    /// Returns the capacity answered. The call runs whole after a seeded pause, and nothing
+    /// runs between its answer and the caller's next step.
+    pub async fn expand(
+        &self,
+        host: &SharedHost,
+        volume_id: &str,
+        at: Option<&str>,
+        capability: &csi::VolumeCapability,
+        required: u64,
+    ) -> Result<u64, String> {
+        tokio::time::sleep(self.chaos.pause(50)).await;
+        let (plugin, staging, pods, dir) = Self::plugin(host);
+        let req = csi::NodeExpandVolumeRequest {
+            volume_id: volume_id.to_owned(),
+            volume_path: text(&at.map_or_else(|| staging.join(volume_id), |t| pods.join(t))),
+            staging_target_path: text(&staging.join(volume_id)),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: i64::try_from(required).unwrap_or(i64::MAX),
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(capability.clone()),
+            ..Default::default()
+        };
+        plugin.expand_inline(&req).map_err(|e| status(&e, &dir))
+    }
+
     /// NodeUnstageVolume.
     pub fn unstage(&self, host: &SharedHost, volume_id: &str) -> Result<(), String> {
         let (plugin, staging, _, dir) = Self::plugin(host);
@@ -258,5 +332,18 @@ impl Fabric {
             staging_target_path: text(&staging.join(volume_id)),
         };
         plugin.unstage_inline(&req).map_err(|e| status(&e, &dir))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_waits;
+
+    #[test]
+    fn a_status_keeps_no_wall_time() {
+        assert_eq!(
+            without_waits("is 16 bytes after 190.537µs; 20 bytes within 1.2ms: after all, 3s"),
+            "is 16 bytes after <time>; 20 bytes within <time>: after all, 3s"
+        );
     }
 }

@@ -1,4 +1,4 @@
-//! The five safety invariants, checked after every step of a seed and once more after the
+//! The nine safety invariants, checked after every step of a seed and once more after the
 //! final drain (when every message still in flight has landed or died).
 //!
 //! 1. At the target at most one host is admitted to a single-writer volume (and never any host,
@@ -19,6 +19,11 @@
 //! 8. An acknowledged expansion is never lost: once ControllerExpandVolume answered a size for a
 //!    lifecycle, that lifecycle's record and its backend volume are at least that large for as
 //!    long as the lifecycle lives (and is not being deleted).
+//! 9. An acknowledged node expansion is never lost, and never more than the device holds: once
+//!    NodeExpandVolume answered a capacity for a lifecycle staged on a host, the filesystem on
+//!    that lifecycle's disk holds at least that many bytes for as long as that stage stands
+//!    (the same mount at the staging path), across agent crashes and power losses; and the
+//!    capacity answered was no more than the target's namespace held at the answer.
 //!
 //! Invariant 1 allows several hosts at the target only when every publication naming them is
 //! read-only (ROX, or readonly): a read-only publication is shared.
@@ -50,6 +55,7 @@ pub enum Invariant {
     OneWriterAtHosts = 6,
     StageNamedByRecord = 7,
     ExpansionKept = 8,
+    NodeExpansionKept = 9,
 }
 
 impl fmt::Display for Invariant {
@@ -67,6 +73,9 @@ impl fmt::Display for Invariant {
                 "7 (a host reaches a volume only while its record names the host)"
             }
             Self::ExpansionKept => "8 (an acknowledged expansion is never lost)",
+            Self::NodeExpansionKept => {
+                "9 (an acknowledged node expansion is never lost, nor more than the device holds)"
+            }
         };
         f.write_str(text)
     }
@@ -115,6 +124,22 @@ pub struct View<'a> {
     pub volumes: &'a BTreeMap<String, PillarVolumeState>,
     /// Acknowledged expansions: (volume ID, lifecycle UID) to the largest size answered.
     pub expansions: &'a BTreeMap<(String, String), u64>,
+    /// Acknowledged node expansions, by the stage they were answered on.
+    pub node_expansions: &'a BTreeMap<StageKey, NodeAck>,
+}
+
+/// A stage a NodeExpandVolume answered on (invariant 9): the host's index, the volume ID, the
+/// lifecycle UID the record held at the answer, the staging mount's ID.
+pub type StageKey = (usize, String, String, u64);
+
+/// What NodeExpandVolume answered on one stage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeAck {
+    /// The largest capacity answered.
+    pub bytes: u64,
+    /// The first answer larger than the target's namespace held at that moment: (answered,
+    /// held).
+    pub overclaim: Option<(u64, u64)>,
 }
 
 /// Whether a publication gives read access only (the checker's own reading of N5).
@@ -137,7 +162,7 @@ impl Checker {
                 return Some(v);
             }
         }
-        hosts::check_expansions(view)
+        hosts::check_expansions(view).or_else(|| hosts::check_node_expansions(view))
     }
 
     fn check_agent(

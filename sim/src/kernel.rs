@@ -7,13 +7,20 @@
 //!   it; a controller the target cut (W7) reconnects, as the kernel does on its own until
 //!   `ctrl_loss_tmo`, only if the target admits the host again. The namespace device
 //!   (`nvme<instance>n1`, multipath off) lives as long as its controller, and shows the
-//!   identity and size the target's namespace has.
+//!   identity the target's namespace has and the size the host last scanned: at the connect
+//!   (or the namespace's first sight), at a reconnect, and at a rescan of the controller
+//!   (`rescan_controller`); a namespace gone from the target is forgotten. A namespace the
+//!   target grew keeps its old size here until one of those: the ns-changed event nvmet sends
+//!   at `revalidate_size` is not modelled, which is the case of it lost (a controller that was
+//!   resetting), the one only the node plugin's rescan covers.
 //! - **The disk.** What a filesystem tool writes is a small header at the start of the
 //!   namespace's backing file (the agent's pool file): the filesystem type, its size, and
 //!   whether its log needs a replay. Writing needs a live controller and, when another host
 //!   holds the namespace's Write Exclusive reservation, fails (a reservation conflict). A
 //!   read-write mount dirties the log until its clean unmount; a read-only mount that may
-//!   replay the log (no `noload` / `norecovery`) writes too.
+//!   replay the log (no `noload` / `norecovery`) writes too. Growing a filesystem (resize2fs,
+//!   xfs_growfs) needs a read-write mount of the device at the path given (EROFS otherwise)
+//!   and grows it to the device's size as scanned, not the target's.
 //! - **Mounts.** A table like `/proc/self/mountinfo`. A device is mounted at most once (one
 //!   superblock, so never two read-write mounts of one volume on a host, N5); a mount needs the
 //!   device, an existing directory, the filesystem its header names, and nothing mounted there
@@ -25,7 +32,6 @@
 //! and time (the engine's waits are given no time: the connect timeout is zero, so the namespace
 //! is there at once or not at all).
 
-use std::io::{Read, Seek, SeekFrom, Write};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -41,11 +47,14 @@ use pillar_nvmet::{ConfigfsDouble, HostNqn, Nguid, SubsystemNqn, parse_uuid};
 
 use crate::targets::{Reservations, Targets};
 
+mod disk;
+mod mounts;
+
+pub use disk::filesystem_bytes_in;
+use disk::{Fs, file_len};
+
 /// The major number of NVMe namespace devices.
 const NVME_MAJOR: u32 = 259;
-/// The header a filesystem leaves at the start of its device.
-const HEADER: usize = 64;
-const MAGIC: &str = "SIMFS";
 
 /// One of this host's controllers.
 #[derive(Clone, Debug)]
@@ -58,6 +67,8 @@ struct Ctrl {
     trsvcid: u16,
     port: u16,
     secret: Option<String>,
+    /// The namespace's size as this host last scanned it (the block device's capacity).
+    size: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -68,12 +79,17 @@ struct State {
     mounts: Vec<MountEntry>,
 }
 
-/// A filesystem's header on the disk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Fs {
-    fs: FsType,
-    bytes: u64,
-    dirty: bool,
+/// A kernel that breaks a promise NodeExpandVolume relies on, for the tests that prove
+/// invariant 9 catches it. Never set in a seed's run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Broken {
+    /// Keeps every promise.
+    #[default]
+    No,
+    /// A filesystem grow that answers success and grows nothing.
+    GrowIsNoop,
+    /// A device that shows 1 MiB more than its namespace holds.
+    SizeOverstated,
 }
 
 /// One host's kernel.
@@ -85,6 +101,7 @@ pub struct SimKernel {
     targets: Targets,
     reservations: Arc<Reservations>,
     state: Mutex<State>,
+    broken: Mutex<Broken>,
 }
 
 fn errno(e: i32) -> std::io::Error {
@@ -160,6 +177,65 @@ impl SimKernel {
             targets,
             reservations,
             state: Mutex::default(),
+            broken: Mutex::default(),
+        }
+    }
+
+    /// Breaks this kernel the way `broken` says (the tests of invariant 9).
+    pub fn set_broken(&self, broken: Broken) {
+        *self.broken.lock().unwrap_or_else(PoisonError::into_inner) = broken;
+    }
+
+    fn broken(&self) -> Broken {
+        *self.broken.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Scans the namespace of controller `instance` now: its size becomes what the target's
+    /// namespace holds (unknown while the target has none).
+    fn scan(&self, instance: u32) {
+        let mut state = self.lock();
+        if let Some(c) = state.ctrls.iter_mut().find(|c| c.instance == instance) {
+            c.size = target_namespace(&c.root, &c.nqn).map(|(file, _, _)| file_len(&file));
+        }
+    }
+
+    /// The size controller `c`'s namespace shows: as last scanned, or scanned now at its first
+    /// sight.
+    fn scanned_size(&self, c: &Ctrl) -> u64 {
+        let known = self
+            .lock()
+            .ctrls
+            .iter()
+            .find(|x| x.instance == c.instance)
+            .and_then(|x| x.size);
+        let size = match known {
+            Some(size) => size,
+            None => {
+                self.scan(c.instance);
+                self.lock()
+                    .ctrls
+                    .iter()
+                    .find(|x| x.instance == c.instance)
+                    .and_then(|x| x.size)
+                    .unwrap_or(0)
+            }
+        };
+        match self.broken() {
+            Broken::SizeOverstated => size + (1 << 20),
+            _ => size,
+        }
+    }
+
+    /// Forgets the scanned size of controller `instance`: its namespace is gone from the
+    /// target, and the kernel drops the device; one that comes back is scanned anew.
+    fn forget_size(&self, instance: u32) {
+        if let Some(c) = self
+            .lock()
+            .ctrls
+            .iter_mut()
+            .find(|c| c.instance == instance)
+        {
+            c.size = None;
         }
     }
 
@@ -183,9 +259,14 @@ impl SimKernel {
         {
             return true;
         }
-        double
+        let back = double
             .host_connects_with_secret(&c.nqn, &self.host_nqn, c.port, c.secret.as_deref())
-            .is_ok()
+            .is_ok();
+        if back {
+            // The kernel scans the namespaces of a controller that reconnected.
+            self.scan(c.instance);
+        }
+        back
     }
 
     /// The controller behind the device at `dev`.
@@ -206,67 +287,11 @@ impl SimKernel {
         if !self.live(&c) {
             return Err(device_err(dev, libc::EIO));
         }
-        let (file, _, _) =
-            target_namespace(&c.root, &c.nqn).ok_or_else(|| device_err(dev, libc::EIO))?;
+        let Some((file, _, _)) = target_namespace(&c.root, &c.nqn) else {
+            self.forget_size(c.instance);
+            return Err(device_err(dev, libc::EIO));
+        };
         Ok((c, file))
-    }
-
-    fn read_fs(&self, dev: &Path) -> Result<Option<Fs>, HostError> {
-        let (_, file) = self.backing(dev)?;
-        let mut buf = [0u8; HEADER];
-        std::fs::File::open(&file)
-            .and_then(|mut f| f.read(&mut buf))
-            .map_err(|source| HostError::Device {
-                path: dev.to_path_buf(),
-                source,
-            })?;
-        let text = String::from_utf8_lossy(&buf);
-        let mut parts = text.trim_end_matches('\0').split_whitespace();
-        if parts.next() != Some(MAGIC) {
-            return Ok(None);
-        }
-        let fs = parts.next().and_then(|f| FsType::parse(f).ok());
-        let bytes = parts.next().and_then(|b| b.parse().ok());
-        let dirty = parts.next() == Some("dirty");
-        match (fs, bytes) {
-            (Some(fs), Some(bytes)) => Ok(Some(Fs { fs, bytes, dirty })),
-            _ => Err(HostError::Probe {
-                device: dev.to_path_buf(),
-                detail: "a torn filesystem header".into(),
-            }),
-        }
-    }
-
-    /// Writes `fs`'s header through the device: refused where another host holds the
-    /// reservation (Write Exclusive).
-    fn write_fs(&self, dev: &Path, fs: Fs) -> Result<(), HostError> {
-        let (c, file) = self.backing(dev)?;
-        if self
-            .reservations
-            .holder(&c.agent, &c.nqn)
-            .is_some_and(|k| k != self.key)
-        {
-            return Err(device_err(dev, libc::EBADE));
-        }
-        let line = format!(
-            "{MAGIC} {} {} {}\n",
-            fs.fs,
-            fs.bytes,
-            if fs.dirty { "dirty" } else { "clean" }
-        );
-        let mut buf = [0u8; HEADER];
-        buf[..line.len().min(HEADER)].copy_from_slice(&line.as_bytes()[..line.len().min(HEADER)]);
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&file)
-            .and_then(|mut f| {
-                f.seek(SeekFrom::Start(0))?;
-                f.write_all(&buf)
-            })
-            .map_err(|source| HostError::Device {
-                path: dev.to_path_buf(),
-                source,
-            })
     }
 
     fn info(&self, c: &Ctrl) -> ControllerInfo {
@@ -287,8 +312,11 @@ impl SimKernel {
     }
 
     fn device(&self, c: &Ctrl) -> Option<NamespaceDevice> {
-        let (file, uuid, nguid) = target_namespace(&c.root, &c.nqn)?;
-        let size_bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+        let Some((_, uuid, nguid)) = target_namespace(&c.root, &c.nqn) else {
+            self.forget_size(c.instance);
+            return None;
+        };
+        let size_bytes = self.scanned_size(c);
         Some(NamespaceDevice {
             name: format!("nvme{}n1", c.instance),
             dev_path: self.device_path(c.instance),
@@ -334,6 +362,19 @@ impl SimKernel {
             .collect()
     }
 
+    /// What the target's namespace of `nqn` holds, in bytes, as this host reaches it (its
+    /// backing file's length, not the size the host scanned): for invariant 9.
+    pub fn namespace_bytes(&self, nqn: &str) -> Option<u64> {
+        let root = self
+            .lock()
+            .ctrls
+            .iter()
+            .find(|c| c.nqn == nqn)?
+            .root
+            .clone();
+        target_namespace(&root, nqn).map(|(file, _, _)| file_len(&file))
+    }
+
     /// Whether the target holds this host's controller of `nqn` through `port` at `agent`.
     pub fn reaches(&self, agent: &str, nqn: &str, port: u16) -> bool {
         let Some((_, root)) = self.targets.values().find(|(a, _)| a == agent) else {
@@ -342,70 +383,6 @@ impl SimKernel {
         ConfigfsDouble::create(root.clone())
             .and_then(|d| d.controllers(nqn))
             .is_ok_and(|c| c.contains(&(port, self.host_nqn.clone())))
-    }
-}
-
-impl SimKernel {
-    fn add_mount(&self, m: MountEntry) {
-        let mut state = self.lock();
-        state.next_mount += 1;
-        let mount_id = state.next_mount;
-        state.mounts.push(MountEntry { mount_id, ..m });
-    }
-
-    /// A mount of the filesystem on `dev`: the device node, its filesystem, the rules.
-    fn mount_fs(
-        &self,
-        dev: &Path,
-        target: &Path,
-        fs: FsType,
-        readonly: bool,
-        options: &[String],
-    ) -> Result<MountEntry, HostError> {
-        let fail = |e| mount_err(dev, target, fs.as_str(), e);
-        let c = self.ctrl_of(dev).ok_or_else(|| fail(libc::ENXIO))?;
-        if !target.is_dir() {
-            return Err(fail(libc::ENOENT));
-        }
-        let devnum = (NVME_MAJOR, c.instance);
-        {
-            let state = self.lock();
-            if state.mounts.iter().any(|m| m.mount_point == target) {
-                return Err(fail(libc::EBUSY));
-            }
-            // One superblock per device: never a second mount of it (N5 at the host).
-            if state.mounts.iter().any(|m| (m.major, m.minor) == devnum) {
-                return Err(fail(libc::EBUSY));
-            }
-        }
-        let found = self.read_fs(dev).map_err(|_| fail(libc::EIO))?;
-        let Some(mut on_disk) = found.filter(|f| f.fs == fs) else {
-            return Err(fail(libc::EINVAL));
-        };
-        let no_replay = options
-            .iter()
-            .any(|o| o == fs.no_log_replay_option() || o == "noload" || o == "norecovery");
-        if !readonly {
-            on_disk.dirty = true;
-            self.write_fs(dev, on_disk).map_err(|_| fail(libc::EROFS))?;
-        } else if on_disk.dirty && !no_replay {
-            // A read-only mount replays a dirty log: a write all the same.
-            on_disk.dirty = false;
-            self.write_fs(dev, on_disk).map_err(|_| fail(libc::EROFS))?;
-        }
-        let access = if readonly { "ro" } else { "rw" };
-        Ok(MountEntry {
-            mount_id: 0,
-            parent_id: 1,
-            major: devnum.0,
-            minor: devnum.1,
-            root: PathBuf::from("/"),
-            mount_point: target.to_path_buf(),
-            mount_options: access.into(),
-            fs_type: fs.as_str().into(),
-            source: dev.display().to_string(),
-            super_options: access.into(),
-        })
     }
 }
 
@@ -470,7 +447,11 @@ impl Kernel for SimKernel {
             trsvcid: opts.trsvcid,
             port,
             secret,
+            size: None,
         });
+        drop(state);
+        // The connect scans the namespaces the controller has.
+        self.scan(instance);
         Ok(Controller {
             name: format!("nvme{instance}"),
             instance,
@@ -537,18 +518,27 @@ impl Kernel for SimKernel {
         Ok(self.devices(nqn))
     }
 
-    fn rescan(&self, _name: &str) -> Result<(), HostError> {
+    fn rescan(&self, name: &str) -> Result<(), HostError> {
+        let found = name
+            .strip_prefix("nvme")
+            .and_then(|n| n.parse::<u32>().ok())
+            .and_then(|i| self.lock().ctrls.iter().find(|c| c.instance == i).cloned());
+        // No such controller: `/sys/class/nvme/<name>/rescan_controller` is not there.
+        let c = found.ok_or_else(|| HostError::RescanController {
+            controller: name.to_owned(),
+            path: self.dev.join(name),
+            source: errno(libc::ENOENT),
+        })?;
+        // A controller that is not live queues no scan: the reconnect scans.
+        if self.live(&c) {
+            self.scan(c.instance);
+        }
         Ok(())
     }
 
     fn device_size(&self, dev: &Path) -> Result<u64, HostError> {
-        let (_, file) = self.backing(dev)?;
-        std::fs::metadata(file)
-            .map(|m| m.len())
-            .map_err(|source| HostError::DeviceSize {
-                path: dev.to_path_buf(),
-                source,
-            })
+        let (c, _) = self.backing(dev)?;
+        Ok(self.scanned_size(&c))
     }
 
     fn device_number(&self, dev: &Path) -> std::io::Result<(u32, u32)> {
@@ -631,6 +621,10 @@ impl Kernel for SimKernel {
         let mut f = self
             .read_fs(dev)?
             .ok_or_else(|| device_err(dev, libc::EINVAL))?;
+        if self.broken() == Broken::GrowIsNoop {
+            return Ok(());
+        }
+        // resize2fs and xfs_growfs grow to the block device's size, as the kernel shows it.
         f.bytes = self.device_size(dev)?;
         self.write_fs(dev, f)
     }

@@ -1,10 +1,12 @@
 //! pillar-sim: a deterministic simulation that drives pillar's real controller and agent code
-//! through random operations and faults, and checks five safety invariants after every step.
+//! through random operations and faults, and checks nine safety invariants after every step.
 //!
 //! # What is real and what is simulated
 //!
 //! Real: two `pillar_csi::controller::Controller` replicas (publish, unpublish, create, delete,
-//! resync, their compare-and-swap loops and tokens); one or more agents assembled by
+//! expand, resync, their compare-and-swap loops and tokens); the node plugin
+//! (`pillar_csi::node::NodeService`: stage, publish, unpublish, unstage, expand) on six hosts
+//! over a kernel double ([`kernel`]); one or more agents assembled by
 //! `pillar_agent::server::build_agent` (synchronous engine writing real fencing marks in a
 //! state directory, the nvmet configfs double `pillar_nvmet::ConfigfsDouble` rooted in a temp
 //! directory below that engine's configfs path, the agent's gRPC service with its `to_the_end`
@@ -42,7 +44,9 @@
 //!
 //! See [`invariants`]: one writer at the target; marks never move back; an old lifecycle never
 //! touches a new one; a record outlives the host's access; a published volume is never
-//! deleted.
+//! deleted; two hosts never write one volume; a host reaches a volume only while its record
+//! names it; an acknowledged expansion is never lost, at the controller (8) and on the node
+//! (9).
 
 pub mod chaos;
 pub mod error;
@@ -50,6 +54,8 @@ pub mod host;
 pub mod invariants;
 pub mod kernel;
 pub mod node;
+#[cfg(test)]
+mod node_expand_tests;
 mod ops;
 pub mod rng;
 pub mod run;

@@ -1,16 +1,21 @@
 //! The operations a seed draws: the controller's (through a replica), the kubelets' (through
 //! the hosts, `crate::host`), and the agent crash, each from the seed's generator.
+//!
+//! The weights below decide which operation a roll draws; a weight added at the end (as
+//! NodeExpandVolume's was) leaves every other range where it was but changes the roll's
+//! modulus, so a seed draws other operations than before it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pillar_csi::controller::{Controller, code_of, volume_id_for_name};
 use pillar_csi::{context, csi};
 use pillar_state::StateStore;
 
-use crate::host::{Publication, SharedHost};
+use crate::host::{Publication, SharedHost, lock_host};
+use crate::invariants::{NodeAck, StageKey};
 use crate::world::{World, host};
 
 /// One operation, run as a task.
@@ -51,6 +56,7 @@ const NODE_STAGE: u64 = EXPAND + 14;
 const NODE_PUBLISH: u64 = NODE_STAGE + 6;
 const NODE_UNPUBLISH: u64 = NODE_PUBLISH + 5;
 const NODE_UNSTAGE: u64 = NODE_UNPUBLISH + 8;
+const NODE_EXPAND: u64 = NODE_UNSTAGE + 6;
 
 fn pick(w: &World) -> Pick {
     let c = &w.chaos;
@@ -67,7 +73,7 @@ fn pick(w: &World) -> Pick {
         .unwrap_or_default();
     let node = 1 + u32::try_from(c.below(u64::from(w.config.nodes))).unwrap_or(0);
     let variant = u32::try_from(c.below(2)).unwrap_or(0);
-    let roll = c.below(NODE_UNSTAGE);
+    let roll = c.below(NODE_EXPAND);
     let snapshot = format!("snap-{}", c.below(volumes));
     Pick {
         replica,
@@ -302,7 +308,9 @@ fn unpublish(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
 }
 
 /// ControllerExpandVolume to 17-20 MiB; an answer for the lifecycle seen before and after the
-/// call is an acknowledged expansion (invariant 8).
+/// call is an acknowledged expansion (invariant 8). Three times in four the kubelets holding
+/// the volume staged then expand it on their node, as they do once the resizer recorded the
+/// new capacity.
 fn expand(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
     let size = (16 + 1 + w.chaos.below(4)) << 20;
     let req = csi::ControllerExpandVolumeRequest {
@@ -315,27 +323,47 @@ fn expand(w: &World, p: &Pick, replica: Arc<Controller>) -> (String, Op) {
     };
     let store = Arc::clone(&w.store);
     let expansions = Arc::clone(&w.expansions);
+    let node_resizes = Arc::clone(&w.node_resizes);
     let id = p.id.clone();
+    let kubelets = (w.chaos.below(4) != 0).then(|| Kubelets::of(w));
     (
         format!("ExpandVolume {} to {size}", p.name),
         Box::pin(async move {
-            let uid = |store: &pillar_state::MemoryStore| {
-                store
-                    .records::<pillar_state::crd::PillarVolumeState>()
-                    .ok()
-                    .and_then(|r| r.get(&id).and_then(|v| v.metadata.uid.clone()))
-            };
-            let before = uid(&store);
+            let before = lifecycle(&store, &id);
             let answer = replica.expand(req).await.map_err(|e| status(&e))?;
-            if let Some(uid) = before.filter(|b| Some(b) == uid(&store).as_ref()) {
-                let acked = u64::try_from(answer.capacity_bytes).unwrap_or(0);
+            let Some(uid) = before.filter(|b| Some(b) == lifecycle(&store, &id).as_ref()) else {
+                return Ok(());
+            };
+            let acked = u64::try_from(answer.capacity_bytes).unwrap_or(0);
+            let key = (id.clone(), uid);
+            {
                 let mut e = expansions.lock().unwrap_or_else(PoisonError::into_inner);
-                let kept = e.entry((id, uid)).or_default();
+                let kept = e.entry(key.clone()).or_default();
                 *kept = (*kept).max(acked);
+            }
+            if !answer.node_expansion_required {
+                return Ok(());
+            }
+            let capacity = {
+                let mut r = node_resizes.lock().unwrap_or_else(PoisonError::into_inner);
+                let capacity = r.entry(key).or_default();
+                *capacity = (*capacity).max(acked);
+                *capacity
+            };
+            if let Some(kubelets) = kubelets {
+                kubelets.expand_everywhere(&id, capacity).await;
             }
             Ok(())
         }),
     )
+}
+
+/// The lifecycle (UID) volume `id`'s record holds now.
+fn lifecycle(store: &pillar_state::MemoryStore, id: &str) -> Option<String> {
+    store
+        .records::<pillar_state::crd::PillarVolumeState>()
+        .ok()
+        .and_then(|r| r.get(id).and_then(|v| v.metadata.uid.clone()))
 }
 
 /// The index in `w.hosts` of the host a node ID names.
@@ -352,9 +380,12 @@ fn kubelet_stage(
     id: &str,
     node_id: &str,
 ) -> Option<impl FnOnce(Publication) -> Op + Send + 'static> {
-    let host: SharedHost = Arc::clone(&w.hosts[host_index(w, node_id)?]);
+    let index = host_index(w, node_id)?;
+    let host: SharedHost = Arc::clone(&w.hosts[index]);
     let store = Arc::clone(&w.store);
     let fabric = w.fabric.clone();
+    let kubelets = Kubelets::of(w);
+    let node_resizes = Arc::clone(&w.node_resizes);
     let id = id.to_owned();
     let (node, host_nqn) = node_id
         .split_once('/')
@@ -373,7 +404,23 @@ fn kubelet_stage(
             fabric
                 .stage(&host, &id, &publication, &secrets)
                 .await
-                .map_err(|e| format!("published; NodeStage: {e}"))
+                .map_err(|e| format!("published; NodeStage: {e}"))?;
+            // A resize of the lifecycle is pending: kubelet expands right after NodeStage.
+            let pending = lifecycle(&store, &id).and_then(|uid| {
+                node_resizes
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&(id.clone(), uid))
+                    .copied()
+            });
+            if let Some(required) = pending {
+                let result = kubelets.expand(index, id.clone(), required).await;
+                fabric.chaos.trace(format!(
+                    "  kubelet after NodeStage: NodeExpand {id} on host {index} to {required} -> {}",
+                    result.err().unwrap_or_else(|| "ok".into())
+                ));
+            }
+            Ok(())
         })
     })
 }
@@ -405,6 +452,7 @@ fn kubelet(w: &World, p: &Pick) -> Draw {
             };
             kubelet_stage_or_publish(w, p, id, node_id, publication)
         }
+        NODE_UNSTAGE.. => kubelet_expand(w),
         _ => kubelet_unpublish_or_unstage(w, p),
     }
 }
@@ -456,5 +504,138 @@ fn kubelet_unpublish_or_unstage(w: &World, p: &Pick) -> Draw {
             format!("NodeUnstage {at}"),
             Box::pin(async move { fabric.unstage(&host, &id) }),
         )
+    }
+}
+
+/// A kubelet's NodeExpandVolume of a volume a host holds staged once a ControllerExpandVolume
+/// of its lifecycle answered `node_expansion_required` (one such stage drawn among every
+/// host's, as the kubelet of each node acts on its own: a retry, or the expansion at a pod's
+/// mount), to the capacity answered.
+fn kubelet_expand(w: &World) -> Draw {
+    let mut pending = Vec::new();
+    {
+        let resizes = w
+            .node_resizes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for (index, shared) in w.hosts.iter().enumerate() {
+            for id in lock_host(shared).staged().into_keys() {
+                let uid = lifecycle(&w.store, &id);
+                if let Some(&required) = uid.and_then(|uid| resizes.get(&(id.clone(), uid))) {
+                    pending.push((index, id, required));
+                }
+            }
+        }
+    }
+    if pending.is_empty() {
+        return Draw::Skip("kubelet: no staged volume has an expansion to apply".into());
+    }
+    let drawn = usize::try_from(w.chaos.below(pending.len() as u64)).unwrap_or(0);
+    let (index, id, required) = pending.swap_remove(drawn.min(pending.len() - 1));
+    let kubelets = Kubelets::of(w);
+    Draw::Task(
+        format!("NodeExpand {id} on host {index} to {required}"),
+        Box::pin(async move { kubelets.expand(index, id, required).await }),
+    )
+}
+
+/// What a kubelet's NodeExpandVolume needs of the world.
+#[derive(Clone)]
+struct Kubelets {
+    hosts: Vec<SharedHost>,
+    fabric: crate::host::Fabric,
+    store: Arc<pillar_state::MemoryStore>,
+    publications: Arc<Mutex<BTreeMap<(String, String), Publication>>>,
+    acks: Arc<Mutex<BTreeMap<StageKey, NodeAck>>>,
+}
+
+impl Kubelets {
+    fn of(w: &World) -> Self {
+        Self {
+            hosts: w.hosts.clone(),
+            fabric: w.fabric.clone(),
+            store: Arc::clone(&w.store),
+            publications: Arc::clone(&w.publications),
+            acks: Arc::clone(&w.node_expansions),
+        }
+    }
+
+    /// NodeExpandVolume of `id` on host `index` to `required` bytes, at the staging path or one
+    /// of the volume's publish targets (drawn when the call starts), with the PV's capability
+    /// (what ControllerPublish was asked for this node); an answer is an acknowledged node
+    /// expansion of the stage standing (invariant 9).
+    async fn expand(&self, index: usize, id: String, required: u64) -> Result<(), String> {
+        let host = &self.hosts[index];
+        let targets: Vec<String> = lock_host(host)
+            .staged()
+            .remove(&id)
+            .map(|s| s.published.into_keys().collect())
+            .unwrap_or_default();
+        let chaos = &self.fabric.chaos;
+        let at = usize::try_from(chaos.below(targets.len() as u64 + 1))
+            .ok()
+            .and_then(|i| i.checked_sub(1))
+            .and_then(|i| targets.get(i).cloned());
+        let node_id = {
+            let h = lock_host(host);
+            format!("{}/{}", h.node, h.host_nqn)
+        };
+        let cap = self
+            .publications
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&(id.clone(), node_id))
+            .map_or_else(
+                || capability(csi::volume_capability::access_mode::Mode::SingleNodeWriter),
+                |p| p.capability.clone(),
+            );
+        let answered = self
+            .fabric
+            .expand(host, &id, at.as_deref(), &cap, required)
+            .await
+            .map_err(|e| format!("at {at:?}: {e}"))?;
+        // Nothing ran since the answer (the call runs whole and this task has not yielded
+        // since): the stage, the lifecycle and the namespace are as the answer left them.
+        acknowledge_node_expansion(host, index, &self.store, &self.acks, id, answered);
+        Ok(())
+    }
+
+    /// Every host holding `id` staged expands it to `required`, one after the other, each
+    /// call traced with its result.
+    async fn expand_everywhere(&self, id: &str, required: u64) {
+        let staged_on: Vec<usize> = (0..self.hosts.len())
+            .filter(|&i| lock_host(&self.hosts[i]).staged().contains_key(id))
+            .collect();
+        for index in staged_on {
+            let result = self.expand(index, id.to_owned(), required).await;
+            self.fabric.chaos.trace(format!(
+                "  kubelet after ExpandVolume: NodeExpand {id} on host {index} to {required} -> {}",
+                result.err().unwrap_or_else(|| "ok".into())
+            ));
+        }
+    }
+}
+
+/// Records NodeExpandVolume's answer `answered` for volume `id` on host `index` (invariant
+/// 9), right after it came: as an answer for the stage standing now and the lifecycle the
+/// record holds now, with what the target's namespace holds now.
+pub(crate) fn acknowledge_node_expansion(
+    host: &SharedHost,
+    index: usize,
+    store: &pillar_state::MemoryStore,
+    acks: &Mutex<BTreeMap<StageKey, NodeAck>>,
+    id: String,
+    answered: u64,
+) {
+    let h = lock_host(host);
+    let (Some(uid), Some(staged)) = (lifecycle(store, &id), h.staged().remove(&id)) else {
+        return;
+    };
+    let held = h.namespace_bytes(&staged);
+    let mut acks = acks.lock().unwrap_or_else(PoisonError::into_inner);
+    let ack = acks.entry((index, id, uid, staged.mount_id)).or_default();
+    ack.bytes = ack.bytes.max(answered);
+    if let Some(held) = held.filter(|h| answered > *h) {
+        ack.overclaim = ack.overclaim.or(Some((answered, held)));
     }
 }

@@ -15,7 +15,7 @@ use pillar_state::{MemoryStore, StateStore};
 use crate::chaos::{Chaos, Fault, FaultCounts, Knobs};
 use crate::error::SimError;
 use crate::host::{Fabric, Publication, Reservations, SharedHost, SimHost, Targets};
-use crate::invariants::{Checker, View, Violation};
+use crate::invariants::{Checker, NodeAck, StageKey, View, Violation};
 use crate::node::{POOL, PowerGrid, SimAgent};
 use crate::store::{replica_store, shared_store};
 use crate::transport::{Link, dialer};
@@ -95,6 +95,12 @@ pub(crate) struct World {
     pub publications: Arc<Mutex<BTreeMap<(String, String), Publication>>>,
     /// Acknowledged expansions (invariant 8).
     pub expansions: Arc<Mutex<BTreeMap<(String, String), u64>>>,
+    /// The capacity kubelets expand to on the node: (volume ID, lifecycle UID) to the largest
+    /// size a ControllerExpandVolume answered with `node_expansion_required` (the PV's
+    /// capacity once the resizer recorded it).
+    pub node_resizes: Arc<Mutex<BTreeMap<(String, String), u64>>>,
+    /// Acknowledged node expansions (invariant 9).
+    pub node_expansions: Arc<Mutex<BTreeMap<StageKey, NodeAck>>>,
     /// An armed power loss: the agent cut if none tripped it by the step given.
     pub armed: Option<(usize, usize)>,
     grid: Arc<PowerGrid>,
@@ -231,6 +237,8 @@ impl World {
             },
             publications: Arc::default(),
             expansions: Arc::default(),
+            node_resizes: Arc::default(),
+            node_expansions: Arc::default(),
             armed: None,
             grid,
             checker: Checker::default(),
@@ -245,12 +253,18 @@ impl World {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
+        let node_expansions = self
+            .node_expansions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         Ok(self.checker.check(View {
             agents: &self.agents,
             hosts: &self.hosts,
             targets: &self.fabric.targets,
             volumes: &volumes,
             expansions: &expansions,
+            node_expansions: &node_expansions,
         }))
     }
 

@@ -22,7 +22,7 @@ fn env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-// proves W8, W4, W5, F5, F11, F3, N5, W7, C6 (the simulation's invariants 1-8 over two
+// proves W8, W4, W5, F5, F11, F3, N5, W7, C6 (the simulation's invariants 1-9 over two
 // replicas, three agents, six hosts, agent crashes and power losses, cancellations and a hostile
 // network; see sim/src/invariants.rs)
 #[test]

@@ -170,6 +170,11 @@ pub enum NodeError {
     },
     #[error("no filesystem of volume {volume} is mounted at {path:?}")]
     NotMounted { volume: String, path: PathBuf },
+    #[error(
+        "volume {volume} is mounted read-only at {path:?}: its filesystem cannot be grown here; \
+         a read-write stage grows it"
+    )]
+    ExpandReadOnly { volume: String, path: PathBuf },
     #[error("volume {volume} is still mounted at {mounts:?}; unpublish it there first")]
     StillPublished {
         volume: String,
@@ -400,6 +405,9 @@ pub fn code_of(err: &NodeError) -> Code {
         | E::PublishModeMismatch { .. }
         | E::StillPublished { .. }
         | E::PublishedAtAnotherPath { .. } => Code::FailedPrecondition,
+        // The spec's "volume in use" code; kubelet then marks the expansion done on this node
+        // rather than failing the pod's mount.
+        E::ExpandReadOnly { .. } => Code::FailedPrecondition,
 
         // Rule N1: the wrong device is never a retryable condition.
         E::IdentityMismatch { .. } => Code::FailedPrecondition,

@@ -3,7 +3,8 @@
 //! larger than its source carries the source's filesystem).
 //!
 //! Invariant: only a read-write stage's filesystem is ever grown (a read-only one is never
-//! written, N5); a filesystem that cannot be grown is an error with the tool's words, never a
+//! written, N5: NodeExpandVolume of a read-only stage answers FAILED_PRECONDITION before it
+//! touches the device); a filesystem that cannot be grown is an error with the tool's words, never a
 //! volume silently smaller than asked.
 
 use std::path::Path;
@@ -42,20 +43,18 @@ impl Engine {
                 path: volume_path.to_path_buf(),
             });
         }
+        // Where a filesystem is grown, and that it may be: before the device is touched.
+        let grow_at = match rec.mode {
+            StageMode::Filesystem { fs_type } => Some((
+                self.writable_mount(volume, &rec.staging_path, volume_path)?,
+                fs_type,
+            )),
+            StageMode::Block => None,
+        };
         let device = self.find_device(&rec)?;
         self.rescan(&rec.nqn)?;
         let size = self.wait_for_size(&device.path, required_bytes)?;
-        if let StageMode::Filesystem { fs_type } = rec.mode {
-            let mount_path = if self.mounted(&rec.staging_path)? {
-                rec.staging_path.clone()
-            } else if self.mounted(volume_path)? {
-                volume_path.to_path_buf()
-            } else {
-                return Err(NodeError::NotMounted {
-                    volume: volume.to_string(),
-                    path: rec.staging_path,
-                });
-            };
+        if let Some((mount_path, fs_type)) = grow_at {
             self.kernel
                 .grow_filesystem(&device.path, &mount_path, fs_type)
                 .map_err(|source| NodeError::Grow {
@@ -65,6 +64,42 @@ impl Engine {
         }
         tracing::info!(size, "expanded");
         Ok(size)
+    }
+
+    /// The mount a NodeExpandVolume grows the filesystem through: the staging path, else the
+    /// volume path. A read-only one is refused (FAILED_PRECONDITION, the CSI code kubelet takes
+    /// as "not on this node" without failing the pod's mount): a reader's filesystem is never
+    /// written (N5); the read-write stage that comes next grows it (`grow_to_device`).
+    fn writable_mount(
+        &self,
+        volume: &VolumeId,
+        staging: &Path,
+        volume_path: &Path,
+    ) -> Result<std::path::PathBuf, NodeError> {
+        let path = if self.mounted(staging)? {
+            staging
+        } else if self.mounted(volume_path)? {
+            volume_path
+        } else {
+            return Err(NodeError::NotMounted {
+                volume: volume.to_string(),
+                path: staging.to_path_buf(),
+            });
+        };
+        let mount = self
+            .kernel
+            .find_mount(path)
+            .map_err(|source| NodeError::CheckMount {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            })?;
+        if mount.is_some_and(|m| m.is_readonly()) {
+            return Err(NodeError::ExpandReadOnly {
+                volume: volume.to_string(),
+                path: path.to_path_buf(),
+            });
+        }
+        Ok(path.to_path_buf())
     }
 
     /// The size of `device`, waiting up to the connect timeout for it to reach `wanted` bytes.
