@@ -300,6 +300,39 @@ async fn a_node_gets_its_own_pair_over_tls_and_no_other() {
     w.stop().await;
 }
 
+// proves W10 (least privilege: the delivery only reads): a node asking for its pair before any
+// ControllerPublish made one, or naming another host NQN than its stored pair's, is refused
+// FAILED_PRECONDITION, and its Secret is neither made nor replaced; asked with its own host NQN
+// it gets the stored pair. Fails on a delivery through `node_credentials` (that makes a missing
+// pair and replaces one made for another host NQN, rotating the node's pair from a read).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_delivery_never_makes_or_replaces_a_pair() {
+    let mut w = World::start(|_| {}, None).await;
+    let (_, own) = w.token_file(NODE, &[AUDIENCE]);
+    let stored = |w: &World| w.double.secret(NS, &secret_name(NODE));
+
+    let e = refused(
+        w.client(&own).fetch(NODE, &host(), &vol()).await,
+        Code::FailedPrecondition,
+    );
+    assert!(e.to_string().contains("ControllerPublishVolume"), "{e}");
+    assert!(stored(&w).is_none(), "the delivery made a pair");
+
+    let granted: Pair = w.store.node_credentials(NODE, HOST_NQN).await.unwrap();
+    let before = stored(&w);
+    assert!(before.is_some());
+    let other = HostNqn::parse(OTHER_HOST_NQN).unwrap();
+    refused(
+        w.client(&own).fetch(NODE, &other, &vol()).await,
+        Code::FailedPrecondition,
+    );
+    assert_eq!(stored(&w), before, "the delivery replaced the node's pair");
+
+    let got = w.client(&own).fetch(NODE, &host(), &vol()).await.unwrap();
+    assert_eq!(got.secret, granted.secret);
+    w.stop().await;
+}
+
 // proves C7 (a hostile client gets a clear code and bounded memory): a request over the
 // endpoint's size bound is RESOURCE_EXHAUSTED (refused from its length prefix), malformed
 // fields INVALID_ARGUMENT and a missing token UNAUTHENTICATED, none of them reviewed; with an

@@ -100,6 +100,20 @@ pub enum DeliveryError {
         /// The node asked for.
         asked: String,
     },
+    /// No pair is stored for the node presenting that host NQN. ControllerPublishVolume makes
+    /// a node's pair before the node stages anything; the delivery only reads, so a node
+    /// asking with another host NQN than its pair's changes nothing.
+    #[error(
+        "no DH-HMAC-CHAP pair is stored for node {node} presenting host NQN {host_nqn}: \
+         ControllerPublishVolume makes it (is the volume published to this node, and is this \
+         the host NQN the node reported in NodeGetInfo?)"
+    )]
+    NoPair {
+        /// The node asked for.
+        node: String,
+        /// The host NQN asked for.
+        host_nqn: String,
+    },
     /// The store could not give the pair.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -110,6 +124,7 @@ impl DeliveryError {
     pub fn code(&self) -> tonic::Code {
         match self {
             Self::Review(_) | Self::Store(_) => tonic::Code::Unavailable,
+            Self::NoPair { .. } => tonic::Code::FailedPrecondition,
             Self::NotAuthenticated(_) | Self::Audience => tonic::Code::Unauthenticated,
             Self::Account { .. } | Self::NotNodeBound | Self::OtherNode { .. } => {
                 tonic::Code::PermissionDenied
@@ -213,7 +228,15 @@ impl Delivery {
             tracing::warn!(%node, error = %e, "a request for a node's DH-HMAC-CHAP pair was refused");
             return Err(e);
         }
-        Ok(self.store.node_credentials(node, host_nqn).await?)
+        // A read: the delivery never makes or replaces a pair (only ControllerPublish and
+        // rotation do), so a request naming another host NQN cannot rotate the node's pair.
+        self.store
+            .stored_node_credentials(node, host_nqn)
+            .await?
+            .ok_or_else(|| DeliveryError::NoPair {
+                node: node.to_owned(),
+                host_nqn: host_nqn.to_owned(),
+            })
     }
 }
 

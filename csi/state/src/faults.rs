@@ -349,4 +349,12 @@ impl<F: Faults> StateStore for FaultyStore<F> {
     ) -> Result<crate::credentials::NodeCredentials, StoreError> {
         self.inner.rotate_node_credentials(node, host_nqn).await
     }
+
+    async fn stored_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<Option<crate::credentials::NodeCredentials>, StoreError> {
+        self.inner.stored_node_credentials(node, host_nqn).await
+    }
 }

@@ -15,6 +15,8 @@
 //! - The RBAC that reaches it: a Role in pillar's namespace granting the controller's
 //!   ServiceAccount `get`, `create`, `update` on secrets; no `list` or `watch` (a list would
 //!   read every Secret of the namespace), nothing for the node plugin's ServiceAccount.
+//! - The delivery of a node's pair to that node only reads ([`KubeStore::stored_credentials`]):
+//!   a request naming another host NQN than the stored pair's gets nothing and changes nothing.
 //! - Nothing here logs a secret; errors name the node and the Secret, never its data.
 
 use std::collections::BTreeMap;
@@ -157,6 +159,39 @@ fn map_err(verb: &'static str, name: &str, err: kube::Error) -> Lost {
 impl KubeStore {
     fn secrets(&self) -> Api<Secret> {
         Api::namespaced(self.client().clone(), self.credentials_namespace())
+    }
+
+    /// `node`'s stored credentials when they were made for `host_nqn`; `None` when there are
+    /// none or they are another host NQN's. Only reads (a `get`): never makes or replaces a
+    /// pair. A Secret that does not hold this node's well-formed pair fails closed.
+    pub(crate) async fn stored_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<Option<NodeCredentials>, StoreError> {
+        crate::validate_name("node", node)?;
+        let name = secret_name(node);
+        let stored =
+            self.secrets()
+                .get_opt(&name)
+                .await
+                .map_err(|e| match map_err("get", &name, e) {
+                    Lost::Failed(e) => e,
+                    // Only a create or an update loses a race; a read never does.
+                    Lost::Race => StoreError::Conflict {
+                        kind: KIND,
+                        name: name.clone(),
+                        expected: String::new(),
+                        message: "a read reported a lost race".into(),
+                    },
+                })?;
+        match stored {
+            None => Ok(None),
+            Some(s) => {
+                let current = credentials_of(&s, node)?;
+                Ok((current.host_nqn == host_nqn).then_some(current))
+            }
+        }
     }
 
     /// `node`'s credentials for `host_nqn`: the stored ones, or new ones when there are none,

@@ -463,4 +463,12 @@ impl StateStore for KubeStore {
     ) -> Result<crate::credentials::NodeCredentials, StoreError> {
         self.credentials(node, host_nqn, true).await
     }
+
+    async fn stored_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<Option<crate::credentials::NodeCredentials>, StoreError> {
+        self.stored_credentials(node, host_nqn).await
+    }
 }

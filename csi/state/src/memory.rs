@@ -236,6 +236,18 @@ impl StateStore for MemoryStore {
         Ok(c)
     }
 
+    async fn stored_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<Option<crate::credentials::NodeCredentials>, StoreError> {
+        let map = self
+            .credentials
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        Ok(map.get(node).filter(|c| c.host_nqn == host_nqn).cloned())
+    }
+
     async fn rotate_node_credentials(
         &self,
         node: &str,

@@ -338,6 +338,21 @@ pub trait StateStore:
         })
     }
 
+    /// The DH-HMAC-CHAP credentials stored for `node` presenting `host_nqn`, if any: a read
+    /// that never makes or replaces a pair (the delivery of a node's pair to that node reads;
+    /// only ControllerPublish and rotation write). `None` when no pair is stored or it was
+    /// made for another host NQN.
+    async fn stored_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<Option<crate::credentials::NodeCredentials>, StoreError> {
+        let _ = host_nqn;
+        Err(StoreError::NoCredentials {
+            node: node.to_owned(),
+        })
+    }
+
     /// Replaces `node`'s credentials with new ones (rotation); the old ones stop working once
     /// every agent holding them got the new ones.
     async fn rotate_node_credentials(

@@ -223,6 +223,20 @@ impl StateStore for EmbeddedStore {
             .await
     }
 
+    async fn stored_node_credentials(
+        &self,
+        node: &str,
+        host_nqn: &str,
+    ) -> Result<Option<crate::credentials::NodeCredentials>, StoreError> {
+        let (node, host_nqn) = (node.to_owned(), host_nqn.to_owned());
+        let dir = self.root.join(CREDENTIALS_DIR);
+        self.run(move |_| {
+            let stored = crate::credentials::read(&dir, &node)?;
+            Ok(stored.filter(|c| c.host_nqn == host_nqn))
+        })
+        .await
+    }
+
     async fn rotate_node_credentials(
         &self,
         node: &str,

@@ -194,3 +194,57 @@ async fn the_double_keeps_secrets_by_the_servers_rules() {
     assert_eq!(status_code(&err), Some(400), "{err}");
     assert!(double.secret(NS, "s3").is_none());
 }
+
+// proves W10 (least privilege of the delivery's read): on each store, the stored pair is read
+// without being made (nothing stored: `None`, and still nothing stored after), and a read naming
+// another host NQN than the stored pair's gets `None` and leaves the pair as it was.
+#[tokio::test]
+async fn a_read_of_a_stored_pair_never_makes_or_replaces_one() {
+    let double = ApiServerDouble::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let stores: Vec<Box<dyn StateStore>> = vec![
+        Box::new(controller_store(&double)),
+        Box::new(crate::EmbeddedStore::open(dir.path()).await.unwrap()),
+        Box::new(crate::MemoryStore::new()),
+    ];
+    for store in stores {
+        assert_eq!(
+            store
+                .stored_node_credentials("node-s", "nqn.h:s")
+                .await
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            store
+                .stored_node_credentials("node-s", "nqn.h:s")
+                .await
+                .unwrap(),
+            None,
+            "{store:?}: a read made a pair"
+        );
+        let made = store.node_credentials("node-s", "nqn.h:s").await.unwrap();
+        assert_eq!(
+            store
+                .stored_node_credentials("node-s", "nqn.h:s")
+                .await
+                .unwrap(),
+            Some(made.clone())
+        );
+        assert_eq!(
+            store
+                .stored_node_credentials("node-s", "nqn.h:other")
+                .await
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            store
+                .stored_node_credentials("node-s", "nqn.h:s")
+                .await
+                .unwrap(),
+            Some(made),
+            "{store:?}: a read naming another host NQN replaced the pair"
+        );
+    }
+}
