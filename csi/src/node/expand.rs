@@ -76,24 +76,20 @@ impl Engine {
         staging: &Path,
         volume_path: &Path,
     ) -> Result<std::path::PathBuf, NodeError> {
-        let path = if self.mounted(staging)? {
-            staging
-        } else if self.mounted(volume_path)? {
-            volume_path
-        } else {
-            return Err(NodeError::NotMounted {
-                volume: volume.to_string(),
-                path: staging.to_path_buf(),
-            });
+        // One read of the mount table per candidate: the mount found is the one checked.
+        let (path, mount) = match self.check_mount(staging)? {
+            Some(m) => (staging, m),
+            None => match self.check_mount(volume_path)? {
+                Some(m) => (volume_path, m),
+                None => {
+                    return Err(NodeError::NotMounted {
+                        volume: volume.to_string(),
+                        path: staging.to_path_buf(),
+                    });
+                }
+            },
         };
-        let mount = self
-            .kernel
-            .find_mount(path)
-            .map_err(|source| NodeError::CheckMount {
-                path: path.to_path_buf(),
-                source: Box::new(source),
-            })?;
-        if mount.is_some_and(|m| m.is_readonly()) {
+        if mount.is_readonly() {
             return Err(NodeError::ExpandReadOnly {
                 volume: volume.to_string(),
                 path: path.to_path_buf(),
