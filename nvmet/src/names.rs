@@ -383,6 +383,15 @@ impl fmt::Display for VolumeId {
     }
 }
 
+/// Looks a volume up by its text in a set of IDs without validating and copying the text
+/// first. The derived `Hash`, `Eq` and `Ord` are the inner `String`'s, which are `str`'s, as
+/// `Borrow` requires.
+impl std::borrow::Borrow<str> for VolumeId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 impl FromStr for VolumeId {
     type Err = NameError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {

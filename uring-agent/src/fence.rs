@@ -12,6 +12,7 @@
 //!   ever substituted, since a guess could re-admit a stale request.
 //! - Marks are never removed.
 
+use std::collections::HashSet;
 use std::io;
 use std::sync::Arc;
 
@@ -330,34 +331,37 @@ impl MarkStore {
         }
     }
 
-    /// Makes `mark` durable (temp, fsync, rename, fsync dir) through `engine`.
-    /// Keeps in `volumes` only those without a mark file, from one listing of the directory:
-    /// what [`read`](Self::read) answers `Ok(None)` for (the file is not found) is exactly a
-    /// volume not listed here, without reading and decoding every mark (a corrupt mark is
-    /// listed: it is a mark), and without a second set as large as the listing. Names that are
-    /// not `<volume>.json` (the engine's hidden temporary files) are skipped.
-    pub fn retain_unmarked(
+    /// `volumes` without those that have a mark file, from one listing of the directory on a
+    /// blocking thread. What [`read`](Self::read) answers `Ok(None)` for (the file is not
+    /// found) is exactly a volume whose `<volume>.json` is not listed, so this needs no read and
+    /// decode of every mark (a corrupt mark is listed: it is a mark), and no second set as large
+    /// as the listing. Each name is looked up as it is: the engine's hidden temporary files
+    /// start with a dot, which no volume ID does, and match nothing.
+    pub async fn retain_unmarked(
         &self,
-        volumes: &mut std::collections::BTreeSet<VolumeId>,
-    ) -> Result<(), MarkError> {
+        mut volumes: HashSet<VolumeId>,
+    ) -> Result<HashSet<VolumeId>, MarkError> {
         let dir = self.dir();
-        let unreadable = |source| MarkError::Unreadable {
-            path: dir.path().display().to_string(),
-            source,
+        let unreadable = {
+            let path = dir.path().display().to_string();
+            move |source| MarkError::Unreadable { path, source }
         };
-        for entry in std::fs::read_dir(dir.path()).map_err(unreadable)? {
-            let name = entry.map_err(unreadable)?.file_name();
-            if let Some(volume) = name
-                .to_str()
-                .and_then(|n| n.strip_suffix(".json"))
-                .and_then(|n| VolumeId::parse(n).ok())
-            {
-                volumes.remove(&volume);
+        let listing = crate::blocking::spawn(move || -> io::Result<HashSet<VolumeId>> {
+            for entry in std::fs::read_dir(dir.path())? {
+                let name = entry?.file_name();
+                if let Some(volume) = name.to_str().and_then(|n| n.strip_suffix(".json")) {
+                    volumes.remove(volume);
+                }
             }
+            Ok(volumes)
+        });
+        match listing.await {
+            Ok(left) => left.map_err(unreadable),
+            Err(join) => Err(unreadable(io::Error::other(join))),
         }
-        Ok(())
     }
 
+    /// Makes `mark` durable (temp, fsync, rename, fsync dir) through `engine`.
     pub async fn write(
         &self,
         engine: &Engine,

@@ -655,3 +655,49 @@ fn pool_directory_must_exist_and_be_absolute() {
         Err(BackendError::InvalidConfig { .. })
     ));
 }
+
+/// The names `held` gives (the start-up scan's listing: one directory read, no `stat`, open or
+/// loop-device lookup per volume) are exactly those `list` gives, for both file pools: a stray
+/// file, a subdirectory named like a volume (file pool) and a hidden temporary file are no
+/// volumes for either.
+#[tokio::test]
+async fn the_names_held_are_the_volumes_listed() {
+    let pool = Pool::new();
+    for id in ["pvc-a", "pvc-b", "pvc-c"] {
+        pool.backend.create(&vol(id), MIB).await.unwrap();
+    }
+    fs::write(pool.dir().join("notes.txt"), b"not a volume").unwrap();
+    fs::write(pool.dir().join(".pvc-d.img.tmp"), b"").unwrap();
+    fs::create_dir(pool.dir().join("pvc-e.img")).unwrap();
+    let plain_dir = tempfile::tempdir().unwrap();
+    let plain = Backend::new(
+        &PoolConfig {
+            name: "plain".into(),
+            kind: PoolKind::PlainFile {
+                dir: plain_dir.path().to_owned(),
+            },
+        },
+        Arc::new(ScriptedRunner::new()),
+    )
+    .unwrap();
+    for id in ["pvc-x", "pvc-y"] {
+        plain.create(&vol(id), MIB).await.unwrap();
+    }
+    fs::write(plain_dir.path().join("notes.txt"), b"not a volume").unwrap();
+    for (backend, expected) in [
+        (&pool.backend, vec!["pvc-a", "pvc-b", "pvc-c"]),
+        (&plain, vec!["pvc-x", "pvc-y"]),
+    ] {
+        let mut held = backend.held().await.unwrap();
+        held.sort();
+        let listed: Vec<VolumeId> = backend
+            .list()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|v| v.volume)
+            .collect();
+        assert_eq!(held, listed);
+        assert_eq!(held, expected.into_iter().map(vol).collect::<Vec<_>>());
+    }
+}

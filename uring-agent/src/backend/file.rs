@@ -184,6 +184,12 @@ impl FileBackend {
         self.blocking(Inner::list).await
     }
 
+    /// The volumes of the pool by name: what [`list`](Self::list) names, from the directory
+    /// listing alone (no open or loop-device lookup per volume).
+    pub async fn held(&self) -> Result<Vec<VolumeId>, BackendError> {
+        self.blocking(Inner::candidates).await
+    }
+
     /// Whether a volume file can be reflinked to where a copy `into` goes (probed each time:
     /// a directory can be remounted, and `.snapshots` may be another file system).
     pub async fn copies_at_once(&self, into: CopyInto) -> Result<bool, BackendError> {
@@ -444,17 +450,19 @@ impl Inner {
         }))
     }
 
-    fn list(&self) -> Result<Vec<VolumeInfo>, BackendError> {
-        let mut volumes = Vec::new();
+    /// The volume files of the pool by name, in no order (one directory listing: regular
+    /// files named `<volume>.<EXTENSION>`).
+    fn candidates(&self) -> Result<Vec<VolumeId>, BackendError> {
         let entries =
             fs::read_dir(&self.dir).map_err(io_err("list the pool directory", &self.dir))?;
+        let suffix = format!(".{EXTENSION}");
         let mut candidates = Vec::new();
         for entry in entries {
             let entry = entry.map_err(io_err("list the pool directory", &self.dir))?;
             let name = entry.file_name();
             let Some(volume) = name
                 .to_str()
-                .and_then(|n| n.strip_suffix(&format!(".{EXTENSION}")))
+                .and_then(|n| n.strip_suffix(&suffix))
                 .and_then(|stem| VolumeId::parse(stem).ok())
             else {
                 continue;
@@ -466,6 +474,12 @@ impl Inner {
                 candidates.push(volume);
             }
         }
+        Ok(candidates)
+    }
+
+    fn list(&self) -> Result<Vec<VolumeInfo>, BackendError> {
+        let mut volumes = Vec::new();
+        let mut candidates = self.candidates()?;
         candidates.sort();
         let mut known = self.lock();
         let all = self.all_bindings(&self.dir)?;

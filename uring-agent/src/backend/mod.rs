@@ -381,6 +381,20 @@ impl Backend {
         }
     }
 
+    /// The pillar volumes of this pool by name, in no order: the names [`list`](Self::list)
+    /// gives, where a listing can tell them without looking at each volume (the file pools:
+    /// one directory listing, no `stat`, open or loop-device lookup per volume). The start-up
+    /// scan for volumes without a mark needs only the names, and a node may hold 100,000.
+    pub async fn held(&self) -> Result<Vec<VolumeId>, BackendError> {
+        match self {
+            Self::File(b) => b.held().await,
+            Self::PlainFile(b) => b.held().await,
+            Self::Lvm(_) | Self::Zfs(_) => {
+                Ok(self.list().await?.into_iter().map(|v| v.volume).collect())
+            }
+        }
+    }
+
     /// What keeps `volume` from being deleted (a snapshot or clone its backend ties to it:
     /// ZFS only; file copies and thin snapshots stand alone), named for the operator.
     pub async fn deletion_blocked_by(

@@ -250,6 +250,27 @@ impl PlainFileBackend {
         .await
     }
 
+    /// The volumes of the pool by name: what [`list`](Self::list) names, from one listing of
+    /// the directory without a `stat` of each file.
+    pub async fn held(&self) -> Result<Vec<VolumeId>, BackendError> {
+        self.blocking(|me| {
+            let entries = fs::read_dir(&me.dir).map_err(io_err("list the pool", &me.dir))?;
+            let mut out = Vec::new();
+            for entry in entries {
+                let entry = entry.map_err(io_err("list the pool", &me.dir))?;
+                out.extend(
+                    entry
+                        .file_name()
+                        .to_str()
+                        .and_then(|n| n.strip_suffix(".img"))
+                        .and_then(|n| VolumeId::parse(n).ok()),
+                );
+            }
+            Ok(out)
+        })
+        .await
+    }
+
     /// A nominal capacity (see [`CAPACITY`]).
     pub async fn capacity(&self) -> Result<Capacity, BackendError> {
         if !self.dir.is_dir() {
