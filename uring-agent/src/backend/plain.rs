@@ -230,18 +230,8 @@ impl PlainFileBackend {
     /// Every volume, sorted by ID.
     pub async fn list(&self) -> Result<Vec<VolumeInfo>, BackendError> {
         self.blocking(|me| {
-            let entries = fs::read_dir(&me.dir).map_err(io_err("list the pool", &me.dir))?;
             let mut out = Vec::new();
-            for entry in entries {
-                let entry = entry.map_err(io_err("list the pool", &me.dir))?;
-                let name = entry.file_name();
-                let Some(volume) = name
-                    .to_str()
-                    .and_then(|n| n.strip_suffix(".img"))
-                    .and_then(|n| VolumeId::parse(n).ok())
-                else {
-                    continue;
-                };
+            for volume in me.names()? {
                 out.extend(me.info(&volume)?);
             }
             out.sort_by(|a, b| a.volume.cmp(&b.volume));
@@ -253,22 +243,24 @@ impl PlainFileBackend {
     /// The volumes of the pool by name: what [`list`](Self::list) names, from one listing of
     /// the directory without a `stat` of each file.
     pub async fn held(&self) -> Result<Vec<VolumeId>, BackendError> {
-        self.blocking(|me| {
-            let entries = fs::read_dir(&me.dir).map_err(io_err("list the pool", &me.dir))?;
-            let mut out = Vec::new();
-            for entry in entries {
-                let entry = entry.map_err(io_err("list the pool", &me.dir))?;
-                out.extend(
-                    entry
-                        .file_name()
-                        .to_str()
-                        .and_then(|n| n.strip_suffix(".img"))
-                        .and_then(|n| VolumeId::parse(n).ok()),
-                );
-            }
-            Ok(out)
-        })
-        .await
+        self.blocking(|me| me.names()).await
+    }
+
+    /// The names `<volume>.img` in the pool directory, in no order.
+    fn names(&self) -> Result<Vec<VolumeId>, BackendError> {
+        let entries = fs::read_dir(&self.dir).map_err(io_err("list the pool", &self.dir))?;
+        let mut out = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(io_err("list the pool", &self.dir))?;
+            out.extend(
+                entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".img"))
+                    .and_then(|n| VolumeId::parse(n).ok()),
+            );
+        }
+        Ok(out)
     }
 
     /// A nominal capacity (see [`CAPACITY`]).
