@@ -72,6 +72,11 @@ impl TlsPsk {
         }
     }
 
+    /// The key in hex, for the configfs double's stand-in keyring only (tests).
+    pub fn key_hex(&self) -> String {
+        self.key.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// The key's description in the keyring: the PSK identity the host presents.
     pub fn identity(&self) -> &str {
         &self.identity

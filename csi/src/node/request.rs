@@ -163,6 +163,37 @@ pub fn stage_auth(
     }))
 }
 
+/// The TLS PSK a stage connects with: `None` unless the publish context requires TLS; then
+/// derived from the node's DH-HMAC-CHAP secret for this host and subsystem (the agent derives
+/// the same one), refused (FAILED_PRECONDITION) without authentication, since there is no
+/// secret to derive it from.
+pub fn stage_tls(
+    volume: &VolumeId,
+    ctx: &HashMap<String, String>,
+    opts: &ConnectOptions,
+) -> Result<Option<pillar_nvmet::TlsPsk>, NodeError> {
+    match optional(ctx, context::TLS) {
+        None | Some("none") => return Ok(None),
+        Some("required") => {}
+        Some(other) => {
+            return Err(NodeError::InvalidContext {
+                key: context::TLS,
+                value: other.to_owned(),
+                reason: "must be \"required\" or \"none\"".into(),
+            });
+        }
+    }
+    let auth = opts.auth.as_ref().ok_or_else(|| NodeError::MissingSecret {
+        volume: volume.to_string(),
+        key: context::SECRET_DHCHAP,
+    })?;
+    Ok(Some(pillar_nvmet::TlsPsk::derive(
+        &auth.secret,
+        &opts.hostnqn,
+        &opts.nqn,
+    )))
+}
+
 /// N5: whether a stage with `cap` and the publication's context `ctx` is read-only. A
 /// read-only publication (a reader-only access mode, or the controller's `READ_ONLY` key for a
 /// publication made readonly) stages read-only on every node.
@@ -265,9 +296,10 @@ fn nvme_target(
             context::RECONNECT_DELAY,
             required(ctx, context::RECONNECT_DELAY)?,
         )?,
-        // Set by the caller from the request's secrets (`stage_auth`), after this line may
-        // have been shown in an error.
+        // Set by the caller from the request's secrets (`stage_auth`, `stage_tls`), after this
+        // line may have been shown in an error.
         auth: None,
+        tls: None,
     };
     if opts.ctrl_loss_tmo < -1 {
         return Err(NodeError::InvalidContext {
