@@ -176,7 +176,9 @@ mod tests {
         let mut f = vec![0u8; 14];
         f[12] = 0x08;
         let total = 20 + 20 + payload.len();
-        let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, 6, 0, 0, 127, 0, 0, 1, 127, 0, 0, 1];
+        let mut ip = vec![
+            0x45, 0, 0, 0, 0, 0, 0, 0, 64, 6, 0, 0, 127, 0, 0, 1, 127, 0, 0, 1,
+        ];
         ip[2..4].copy_from_slice(&u16::try_from(total).unwrap().to_be_bytes());
         let mut tcp = vec![0u8; 20];
         tcp[0..2].copy_from_slice(&src.to_be_bytes());
