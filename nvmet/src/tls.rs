@@ -15,9 +15,12 @@
 //!   secret has to be stored or delivered. One PSK per host and subsystem, as the identity the
 //!   kernel looks up is (`NVMe0R01 <hostnqn> <subsysnqn>`: retained, SHA-256).
 //! - A [`TlsPsk`]'s key never reaches a log, an error or a `Debug` output.
-//! - Keys go into the kernel's `.nvme` keyring only, linked into the caller's process keyring
-//!   first so that the caller possesses the keys it adds (and may replace or invalidate them)
-//!   without touching any other process's keyrings.
+//! - Keys go into the kernel's `.nvme` keyring only, which each call links into the calling
+//!   thread's keyring first: the caller then possesses the keys in it (the kernel grants their
+//!   search, read and invalidation to a possessor only; a key made by `add_key` gives other
+//!   processes of the same user nothing but `view`), without touching any other thread's or
+//!   process's keyrings. Per call, because keyrings live in a thread's credentials: a process
+//!   keyring made on one thread of a multi-threaded agent is not seen by its other threads.
 
 use std::ffi::CString;
 use std::fmt;
@@ -110,14 +113,14 @@ fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
         .into()
 }
 
-/// `KEY_SPEC_PROCESS_KEYRING`: the caller's process keyring.
-const KEY_SPEC_PROCESS_KEYRING: libc::c_long = -2;
+/// `KEY_SPEC_THREAD_KEYRING`: the calling thread's keyring (made on first use).
+const KEY_SPEC_THREAD_KEYRING: libc::c_long = -1;
 const KEYCTL_LINK: libc::c_long = 8;
 const KEYCTL_SEARCH: libc::c_long = 10;
 const KEYCTL_INVALIDATE: libc::c_long = 21;
 
-/// The kernel's `.nvme` keyring, made usable by this process: `None` when the kernel has none
-/// (no NVMe keyring module, no TLS).
+/// The kernel's `.nvme` keyring: `None` when the kernel has none (no NVMe keyring module, no
+/// TLS).
 pub fn nvme_keyring() -> io::Result<Option<i32>> {
     let keys = match std::fs::read_to_string("/proc/keys") {
         Ok(k) => k,
@@ -125,22 +128,25 @@ pub fn nvme_keyring() -> io::Result<Option<i32>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
-    let Some(serial) = find_keyring(&keys, ".nvme") else {
-        return Ok(None);
-    };
+    Ok(find_keyring(&keys, ".nvme"))
+}
+
+/// Links `keyring` into the calling thread's keyring, so that this thread possesses it and the
+/// keys in it (linking it again changes nothing).
+fn possess(keyring: i32) -> io::Result<()> {
     // SAFETY: KEYCTL_LINK takes two key serials by value; no memory is passed.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_keyctl,
             KEYCTL_LINK,
-            libc::c_long::from(serial),
-            KEY_SPEC_PROCESS_KEYRING,
+            libc::c_long::from(keyring),
+            KEY_SPEC_THREAD_KEYRING,
         )
     };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(Some(serial))
+    Ok(())
 }
 
 /// The serial of the keyring named `name` in `/proc/keys` text.
@@ -159,6 +165,7 @@ fn find_keyring(proc_keys: &str, name: &str) -> Option<i32> {
 /// Adds `psk` to `keyring` (or replaces the key of the same identity there) and answers its
 /// serial, which a host passes at connect (`tls_key=`).
 pub fn add_psk(keyring: i32, psk: &TlsPsk) -> io::Result<i32> {
+    possess(keyring)?;
     let kind = c"psk";
     let desc = CString::new(psk.identity.as_str())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
@@ -183,6 +190,7 @@ pub fn add_psk(keyring: i32, psk: &TlsPsk) -> io::Result<i32> {
 /// Invalidates the PSK of `identity` in `keyring`, if there is one: the key is gone from
 /// every keyring at once. Answers whether one was found.
 pub fn remove_psk(keyring: i32, identity: &str) -> io::Result<bool> {
+    possess(keyring)?;
     let kind = c"psk";
     let desc = CString::new(identity).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: the type and description are NUL-terminated strings alive for the call; no

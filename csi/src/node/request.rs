@@ -362,6 +362,51 @@ mod tests {
     }
 
     #[test]
+    fn tls_is_asked_by_the_context_and_the_psk_derived_from_the_node_pair() {
+        let volume = VolumeId::parse("pvc-t").unwrap();
+        let secret = pillar_nvmet::DhchapSecret::generate().unwrap();
+        let mut opts = ConnectOptions {
+            traddr: "127.0.0.1".parse().unwrap(),
+            trsvcid: 4420,
+            nqn: volume.subsystem_nqn(),
+            hostnqn: HostNqn::parse(HOST).unwrap(),
+            hostid: Uuid::from_u128(1),
+            ctrl_loss_tmo: 600,
+            reconnect_delay: 10,
+            auth: None,
+            tls: None,
+        };
+        let ctx = |v: Option<&str>| -> HashMap<String, String> {
+            v.map(|v| (context::TLS.to_owned(), v.to_owned()))
+                .into_iter()
+                .collect()
+        };
+        assert_eq!(stage_tls(&volume, &ctx(None), &opts).unwrap(), None);
+        assert_eq!(stage_tls(&volume, &ctx(Some("none")), &opts).unwrap(), None);
+        assert!(matches!(
+            stage_tls(&volume, &ctx(Some("yes")), &opts),
+            Err(NodeError::InvalidContext { .. })
+        ));
+        // Without the node's pair there is nothing to derive the PSK from: refused.
+        assert!(matches!(
+            stage_tls(&volume, &ctx(Some("required")), &opts),
+            Err(NodeError::MissingSecret { .. })
+        ));
+        opts.auth = Some(pillar_host::ConnectAuth {
+            secret: secret.clone(),
+            ctrl_secret: None,
+        });
+        let psk = stage_tls(&volume, &ctx(Some("required")), &opts)
+            .unwrap()
+            .expect("a PSK");
+        // The agent derives the same from the same pair (`install_psks`).
+        assert_eq!(
+            psk,
+            pillar_nvmet::TlsPsk::derive(&secret, &opts.hostnqn, &opts.nqn)
+        );
+    }
+
+    #[test]
     fn capabilities() {
         let c = capability(Some(&cap(Mode::SingleNodeWriter, mount("")))).unwrap();
         assert_eq!(

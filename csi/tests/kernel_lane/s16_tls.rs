@@ -118,7 +118,8 @@ impl Capture {
         let log = fs::read_to_string(&self.log).unwrap_or_default();
         println!("  tcpdump ({status}): {}", log.trim().replace('\n', "; "));
         assert!(
-            log.contains(" 0 packets dropped by kernel"),
+            log.lines()
+                .any(|l| l.trim() == "0 packets dropped by kernel"),
             "the capture lost packets: {log}"
         );
         fs::read(&self.pcap).unwrap()
@@ -267,7 +268,7 @@ async fn s16_tls() {
         Ok(c) => panic!("a plain host connected to a TLS-only port as {}", c.name),
         Err(e) => println!("  the node's NQN and secret without TLS: refused: {e}"),
     }
-    if let Some(line) = lab.kmsg.find(k0, &["TLS"]) {
+    if let Some(line) = lab.kmsg.find(k0, &["icresp"]) {
         println!("  kernel: {line}");
     }
     let c = connect(vol, &host, host_id, &auth, Some(psk.clone())).unwrap_or_else(|e| {
@@ -278,9 +279,12 @@ async fn s16_tls() {
     });
     let dev = host_device(vol, &host);
     write_read(&dev.dev_path, 16);
-    if let Some(line) = lab.kmsg.find(k0, &["tls"]) {
-        println!("  kernel: {line}");
-    }
+    // The target's own word that the controller runs over TLS.
+    let line = lab
+        .kmsg
+        .find(k0, &["Created nvm controller", host.as_str(), ", TLS."])
+        .expect("nvmet logs the controller as TLS");
+    println!("  kernel: {line}");
     delete_host_controllers(vol, &host);
     let pcap = capture.stop();
     sc.step(&format!(

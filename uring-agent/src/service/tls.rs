@@ -66,7 +66,7 @@ impl PskKeyring {
     fn add(&self, psk: &TlsPsk) -> Result<(), AgentError> {
         match self {
             Self::Kernel(cell) => {
-                let ring = Self::kernel_keyring(cell)?.ok_or_else(|| no_keyring())?;
+                let ring = Self::kernel_keyring(cell)?.ok_or_else(no_keyring)?;
                 pillar_nvmet::add_psk(ring, psk).map_err(|e| keyring_error("add a PSK to", &e))?;
             }
             Self::Double(dir) => {
