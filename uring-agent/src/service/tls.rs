@@ -141,15 +141,17 @@ impl Agent {
             .await
             .is_ok();
         supported = supported && root.join(&dir).join(pillar_nvmet::ADDR_TSAS).exists();
-        if supported {
-            if let Err(e) = self
+        if supported
+            && let Err(e) = self
                 .target
-                .apply(&guard, vec![write(pillar_nvmet::ADDR_TSAS, pillar_nvmet::TSAS_TLS13)])
+                .apply(
+                    &guard,
+                    vec![write(pillar_nvmet::ADDR_TSAS, pillar_nvmet::TSAS_TLS13)],
+                )
                 .await
-            {
-                tracing::info!(error = %e, "the kernel refuses tls1.3 on a port");
-                supported = false;
-            }
+        {
+            tracing::info!(error = %e, "the kernel refuses tls1.3 on a port");
+            supported = false;
         }
         self.target
             .apply(&guard, vec![Op::Rmdir { path: dir }])
