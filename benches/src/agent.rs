@@ -54,6 +54,7 @@ fn export_request(volume: &str, hosts: &[String]) -> api::ExportRequest {
             service: SERVICE,
             acl: true,
             auth_none: true,
+            tls: false,
         }),
         allowed_host_nqns: hosts.to_vec(),
         credentials: vec![],

@@ -27,6 +27,10 @@ pub const READ_ONLY: &str = "pillar.io/readOnly";
 /// with its own secrets, which come in NodeStageVolume's `secrets` (never here), and refuses to
 /// stage without them. `"none"`: the protocol opted out (`auth: none`).
 pub const AUTH: &str = "pillar.io/auth";
+/// `"required"` when the export requires TLS for NVMe/TCP: the node derives its PSK for the
+/// subsystem from its DH-HMAC-CHAP secret, puts it in its kernel's `.nvme` keyring and connects
+/// with `tls`. Absent or `"none"`: no TLS.
+pub const TLS: &str = "pillar.io/tls";
 
 /// Keys of NodeStageVolume's `secrets` (kubelet fills them from the PV's node-stage Secret): the
 /// node's DH-HMAC-CHAP secret and the controller secret it checks the target with.

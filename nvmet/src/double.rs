@@ -26,6 +26,11 @@
 //!   otherwise (the key's body is checked only when a host authenticates, as on 7.2). Without authentication the attributes do not exist: a write is ENOENT. A host
 //!   whose entry has a key connects only presenting it (EACCES otherwise; with a controller
 //!   key the host must also check the target's, which the double takes as given).
+//! - ports of a kernel with TLS for the NVMe/TCP target (the default; [`ConfigfsDouble::without_tls`]
+//!   models one without, like Debian's 6.1, where a write of `addr_tsas` is ENOENT) have
+//!   `addr_tsas`: `none` or `tls1.3` on a TCP port (EINVAL otherwise), reset to `none` by a
+//!   write of `addr_trtype`; `tls1.3` makes `addr_treq` `required` when it was `not specified`,
+//!   and `addr_treq` `not specified` is EINVAL while it is `tls1.3` (docs/rules.md K31).
 //!
 //! It also models host controllers, the part of the kernel a tree cannot show: a host connects
 //! through a port only while the subsystem is linked to it and the host is admitted; unlinking
@@ -83,6 +88,10 @@ const RESERVATIONS: &str = "reservations";
 /// authentication (no `dhchap_*` attributes on host entries).
 const NO_AUTH: &str = "no-auth";
 
+/// Under [`PRIVATE_DIR`]: present when the double models a kernel without TLS for the NVMe/TCP
+/// target (no `addr_tsas` on ports).
+const NO_TLS: &str = "no-tls";
+
 /// Under [`PRIVATE_DIR`]: live host controllers, as `controllers/<port>/<subsystem>/<host>`.
 const CONTROLLERS: &str = "controllers";
 
@@ -134,6 +143,19 @@ impl ConfigfsDouble {
 
     fn auth_modelled(&self) -> bool {
         self.auth && !self.root.join(PRIVATE_DIR).join(NO_AUTH).exists()
+    }
+
+    /// Models a kernel without TLS for the NVMe/TCP target (`CONFIG_NVME_TARGET_TCP_TLS` not
+    /// set, or older than 6.7, like Debian bookworm's 6.1): ports have no `addr_tsas`. Kept on
+    /// disk for every handle on the same root.
+    #[must_use]
+    pub fn without_tls(self) -> Self {
+        let _ = fs::write(self.root.join(PRIVATE_DIR).join(NO_TLS), b"");
+        self
+    }
+
+    fn tls_modelled(&self) -> bool {
+        !self.root.join(PRIVATE_DIR).join(NO_TLS).exists()
     }
 
     /// Models a kernel with NVMe reservations (`resv_enable` on namespaces, Linux >= 6.13), for
@@ -216,7 +238,10 @@ impl ConfigfsRules for ConfigfsDouble {
             (Op::Mkdir { path }, _) => self.mkdir_done(path),
             // The plain write left the bytes as given (and any longer old value's tail): the
             // attribute shows what the kernel keeps.
-            (Op::Write { path, .. }, Then::Store(value)) => self.set(&self.at(path)?, &value),
+            (Op::Write { path, .. }, Then::Store(value)) => {
+                self.set(&self.at(path)?, &value)?;
+                self.port_write_done(path, &value)
+            }
             (Op::Symlink { target, link }, _) => self.symlink_done(target, link),
             (Op::Unlink { path }, Then::Unlinked(target)) => self.unlink_done(path, &target),
             (Op::Rmdir { path }, _) => self.rmdir_done(path),

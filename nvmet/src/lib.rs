@@ -13,6 +13,8 @@
 //! - `auth`: DH-HMAC-CHAP secrets and the host entries' authentication attributes.
 //! - `rules`: the kernel's rules around plain syscalls, which let an executor of plain syscalls
 //!   (the agent's engines) run plans against a plain tree as against configfs.
+//! - `tls`: TLS 1.3 for NVMe/TCP: the port attributes, the PSK derived from a host's secret, the
+//!   kernel's `.nvme` keyring.
 //! - `double`: a configfs test double that refuses what the kernel refuses, as those rules.
 //!
 //! Nothing here talks to io_uring or gRPC: the agent builds on these types.
@@ -26,6 +28,7 @@ mod names;
 mod plan;
 mod rules;
 mod target_model;
+mod tls;
 
 pub use auth::{
     AuthError, AuthPlanError, DHCHAP_CTRL_KEY, DHCHAP_DHGROUP, DHCHAP_HASH, DHCHAP_KEY, DhGroup,
@@ -52,6 +55,10 @@ pub use plan::{
 };
 pub use rules::{Admitted, ConfigfsRules, Ruled};
 pub use target_model::TargetModel;
+pub use tls::{
+    ADDR_TREQ, ADDR_TSAS, TREQ_REQUIRED, TSAS_TLS13, TlsPsk, add_psk, nvme_keyring, psk_identity,
+    remove_psk,
+};
 
 /// Where the kernel mounts the nvmet configfs tree.
 pub const KERNEL_NVMET_ROOT: &str = "/sys/kernel/config/nvmet";

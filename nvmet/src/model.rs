@@ -57,34 +57,59 @@ impl Transport {
     }
 }
 
-/// A port as pillar wants it: transport plus listen address.
+/// A port as pillar wants it: transport, listen address, and whether hosts must speak TLS.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PortSpec {
     pub transport: Transport,
     pub address: SocketAddr,
+    /// TLS 1.3 required (`addr_tsas=tls1.3`, `addr_treq=required`): a host that does not start
+    /// TLS with a PSK the target's keyring holds is refused (docs/rules.md K31).
+    pub tls: bool,
 }
 
 impl PortSpec {
-    /// A TCP port listening on `address`.
+    /// A TCP port listening on `address`, without TLS.
     pub const fn tcp(address: SocketAddr) -> Self {
         Self {
             transport: Transport::Tcp,
             address,
+            tls: false,
         }
     }
 
-    /// The `addr_*` attributes of this port, in the order they are written.
-    pub fn attributes(&self) -> [(&'static str, String); 4] {
+    /// This port with TLS 1.3 required.
+    #[must_use]
+    pub const fn with_tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
+    /// The `addr_*` attributes of this port, in the order they are written: `addr_trtype`
+    /// first (writing it resets `addr_tsas`), the secure channel last (`addr_tsas` before
+    /// `addr_treq`: the kernel refuses `not specified` with TLS, and `required` is what it sets).
+    pub fn attributes(&self) -> Vec<(&'static str, String)> {
         let family = match self.address.ip() {
             IpAddr::V4(_) => "ipv4",
             IpAddr::V6(_) => "ipv6",
         };
-        [
+        let mut attrs = vec![
             ("addr_trtype", self.transport.as_configfs().to_owned()),
             ("addr_adrfam", family.to_owned()),
             ("addr_traddr", self.address.ip().to_string()),
             ("addr_trsvcid", self.address.port().to_string()),
-        ]
+        ];
+        if self.tls {
+            attrs.push((crate::tls::ADDR_TSAS, crate::tls::TSAS_TLS13.to_owned()));
+            attrs.push((crate::tls::ADDR_TREQ, crate::tls::TREQ_REQUIRED.to_owned()));
+        }
+        attrs
+    }
+
+    /// How a conflict names this port: `tcp/ipv4 127.0.0.1:4420`, ` tls1.3` added with TLS.
+    pub fn describe(&self) -> String {
+        let a = self.attributes();
+        let tls = if self.tls { " tls1.3" } else { "" };
+        format!("{}/{} {}:{}{tls}", a[0].1, a[1].1, a[2].1, a[3].1)
     }
 }
 
@@ -180,6 +205,11 @@ pub struct PortState {
     pub adrfam: String,
     pub traddr: String,
     pub trsvcid: String,
+    /// `addr_tsas`: `None` when the port has no such attribute (a kernel without TLS for the
+    /// NVMe/TCP target, like Debian's 6.1).
+    pub tsas: Option<String>,
+    /// `addr_treq`.
+    pub treq: Option<String>,
     pub subsystems: BTreeSet<String>,
     /// Entries under `referrals/`: a port with referrals is never removed.
     pub referrals: usize,
@@ -188,11 +218,19 @@ pub struct PortState {
 impl PortState {
     /// Whether the port's address attributes equal `spec`.
     pub fn matches(&self, spec: &PortSpec) -> bool {
-        let [trtype, adrfam, traddr, trsvcid] = spec.attributes();
-        self.trtype == trtype.1
-            && self.adrfam == adrfam.1
-            && normalize_addr(&self.traddr) == normalize_addr(&traddr.1)
-            && self.trsvcid == trsvcid.1
+        let attrs = spec.attributes();
+        self.trtype == attrs[0].1
+            && self.adrfam == attrs[1].1
+            && normalize_addr(&self.traddr) == normalize_addr(&attrs[2].1)
+            && self.trsvcid == attrs[3].1
+            && self.tls() == spec.tls
+    }
+
+    /// Whether the port requires TLS 1.3: a port that speaks it but also takes plain hosts
+    /// (`addr_treq` not `required`) does not.
+    pub fn tls(&self) -> bool {
+        self.tsas.as_deref() == Some(crate::tls::TSAS_TLS13)
+            && self.treq.as_deref() == Some(crate::tls::TREQ_REQUIRED)
     }
 }
 
@@ -451,6 +489,8 @@ fn observe_port_attributes(dir: &Path) -> Result<PortState, ObserveError> {
         adrfam: read_attr(&dir.join("addr_adrfam"))?,
         traddr: read_attr(&dir.join("addr_traddr"))?,
         trsvcid: read_attr(&dir.join("addr_trsvcid"))?,
+        tsas: read_optional_attr(&dir.join(crate::tls::ADDR_TSAS))?,
+        treq: read_optional_attr(&dir.join(crate::tls::ADDR_TREQ))?,
         subsystems: BTreeSet::new(),
         referrals: list_dir(&dir.join("referrals"))
             .map(|r| r.len())
@@ -474,6 +514,14 @@ fn list_dir(path: &Path) -> Result<Vec<String>, ObserveError> {
     }
     names.sort();
     Ok(names)
+}
+
+/// Reads an attribute the kernel may not have: `None` when it does not exist.
+pub fn read_optional_attr(path: &Path) -> Result<Option<String>, ObserveError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        _ => read_attr(path).map(Some),
+    }
 }
 
 /// Reads an attribute, without the trailing newline configfs adds.

@@ -214,7 +214,8 @@ fn write(path: PathBuf, value: impl Into<String>) -> Op {
 }
 
 fn describe_port(p: &PortState) -> String {
-    format!("{}/{} {}:{}", p.trtype, p.adrfam, p.traddr, p.trsvcid)
+    let tls = if p.tls() { " tls1.3" } else { "" };
+    format!("{}/{} {}:{}{tls}", p.trtype, p.adrfam, p.traddr, p.trsvcid)
 }
 
 /// Links `nqn` to `port` unless `linked` holds it; with `want`, creates the port with its
@@ -231,11 +232,10 @@ fn push_port_link(
     let pdir = port_dir(port);
     match (observed.ports.get(&port), want) {
         (Some(found), Some(want)) if !found.matches(want) => {
-            let wanted = want.attributes().map(|(_, v)| v);
             return Err(PlanError::PortConflict {
                 port,
                 found: describe_port(found),
-                wanted: format!("{}/{} {}:{}", wanted[0], wanted[1], wanted[2], wanted[3]),
+                wanted: want.describe(),
             });
         }
         (None, Some(want)) => {

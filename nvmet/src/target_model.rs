@@ -172,6 +172,8 @@ impl PortState {
             adrfam: self.adrfam.clone(),
             traddr: self.traddr.clone(),
             trsvcid: self.trsvcid.clone(),
+            tsas: self.tsas.clone(),
+            treq: self.treq.clone(),
             subsystems: BTreeSet::new(),
             referrals: self.referrals,
         }

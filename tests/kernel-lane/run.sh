@@ -132,7 +132,12 @@ declare -A RC VM_TIME LOGS NOT_RUN
 # the NVMe target. One kernel is enough; it costs ~2 minutes per kernel under TCG.
 ONCE_SCENARIOS=(s14_control_skipped_fsync_caught)
 LAST_KERNEL=${KERNELS[${#KERNELS[@]} - 1]}
-VM_PASS_ENV="$VM_PASS_ENV PILLAR_LANE_ZFS_USERLAND"
+VM_PASS_ENV="$VM_PASS_ENV PILLAR_LANE_ZFS_USERLAND PILLAR_LANE_TLSHD"
+# tlshd (s16): unpacked from sid by setup.sh; without it s16 fails on a kernel with TLS.
+if [[ -f $LANE_STATE/tlshd.ready ]]; then
+  export PILLAR_LANE_TLSHD
+  PILLAR_LANE_TLSHD=$(cat "$LANE_STATE/tlshd.ready")/tlshd
+fi
 for k in "${KERNELS[@]}"; do
   log "=== kernel $k"
   logfile=$LANE_STATE/logs/pillar-$k-$(date +%Y%m%d-%H%M%S).log

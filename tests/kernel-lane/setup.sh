@@ -31,7 +31,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # lvm2 and thin-provisioning-tools (thin_check, run by LVM when it activates a thin pool): the
 # LVM backend's scenario (s8) runs the host's lvm binaries in the guest.
 # make builds the ZFS module (s13) against the lane kernel's headers.
-HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils lvm2 thin-provisioning-tools make)
+# tcpdump captures the NVMe/TCP traffic of the TLS scenario (s16); keyutils' keyctl shows the
+# guest's keyrings in its logs.
+HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils lvm2 thin-provisioning-tools make tcpdump keyutils)
 DEBS_DIR=$LANE_STATE/debs
 SID_DIR=$LANE_STATE/apt-sid
 SID_LISTS_MAX_AGE_H=${SID_LISTS_MAX_AGE_H:-24}
@@ -290,6 +292,52 @@ prepare_zfs() {
   log "zfs: $ZFS_VERSION module ready for $label ($kver)"
 }
 
+# ---------------------------------------------------------------- tlshd (s16)
+# The TLS handshake of NVMe/TCP is done by tlshd (ktls-utils), which Debian has from trixie on;
+# the host's userland is bookworm's. Its package and what it depends on come from the private
+# sid state, unpacked (never installed) to $LANE_STATE/tlshd-<version>/root, and the guest runs
+# it with sid's own loader and libraries from there (`tlshd` in that folder: a wrapper).
+# $LANE_STATE/tlshd.ready names the folder.
+
+prepare_tlshd() {
+  local ver pkgs dir wrapper
+  apt_opts sid
+  ver=$(candidate_version sid ktls-utils)
+  [[ -n $ver && $ver != "(none)" ]] || die "tlshd: sid has no ktls-utils"
+  dir=$LANE_STATE/tlshd-$ver
+  if [[ -x $dir/tlshd ]]; then
+    printf '%s\n' "$dir" >"$LANE_STATE/tlshd.ready"
+    log "tlshd: ktls-utils $ver (unpacked)"
+    return 0
+  fi
+  # The Depends closure, without recommendations and without virtual packages.
+  mapfile -t pkgs < <(apt-cache "${APT_OPTS[@]}" depends --recurse --no-recommends --no-suggests \
+    --no-conflicts --no-breaks --no-replaces --no-enhances ktls-utils 2>/dev/null |
+    awk '!/^ / && !/^</' | sort -u)
+  ((${#pkgs[@]} > 0)) || die "tlshd: cannot resolve what ktls-utils depends on in sid"
+  log "tlshd: ktls-utils $ver and ${#pkgs[@]} packages from sid"
+  rm -rf "$dir.partial" && mkdir -p "$dir.partial/debs" "$dir.partial/root"
+  (cd "$dir.partial/debs" && apt-get "${APT_OPTS[@]}" download -q "${pkgs[@]}" >/dev/null 2>&1) ||
+    die "tlshd: download from sid failed"
+  local deb
+  for deb in "$dir.partial"/debs/*.deb; do
+    dpkg -x "$deb" "$dir.partial/root"
+  done
+  rm -rf "$dir.partial/debs"
+  wrapper=$dir.partial/tlshd
+  cat >"$wrapper" <<WRAPPER
+#!/bin/sh
+# tlshd from Debian sid on another userland: sid's loader and libraries (setup.sh).
+root=\$(dirname "\$0")/root
+lib=\$root/usr/lib/x86_64-linux-gnu
+exec "\$lib/ld-linux-x86-64.so.2" --library-path "\$lib" "\$root/usr/sbin/tlshd" "\$@"
+WRAPPER
+  chmod +x "$wrapper"
+  "$wrapper" --version >/dev/null 2>&1 || die "tlshd: the unpacked tlshd does not run here"
+  mv "$dir.partial" "$dir"
+  printf '%s\n' "$dir" >"$LANE_STATE/tlshd.ready"
+}
+
 # ---------------------------------------------------------------- kernel trees
 
 # extract_vmlinux BZIMAGE OUT: decompress the payload of a bzImage to an ELF vmlinux
@@ -424,6 +472,9 @@ main() {
     for label in "${LABELS[@]}"; do
       prepare_zfs "$label"
     done
+  fi
+  if [[ " ${LABELS[*]} " == *" sid "* ]]; then
+    prepare_tlshd
   fi
   prune_stale
   for label in "${RESOLVED[@]}"; do

@@ -80,6 +80,8 @@ pub fn reason_of(err: &AgentError) -> ErrorReason {
         AgentError::SourceNotLive { .. } => R::SourceNotLive,
         AgentError::SourceInUse { .. } => R::SourceInUse,
         AgentError::AuthUnsupported { .. } => R::AuthUnsupported,
+        AgentError::TlsUnsupported { .. } => R::TlsUnsupported,
+        AgentError::Keyring { .. } => R::TargetFailed,
         AgentError::UnmarkedSnapshot { .. } => R::BackendRefused,
     }
 }
@@ -184,10 +186,18 @@ fn protocol(raw: Option<api::ExportProtocol>) -> Result<Protocol, AgentError> {
                 format!("{} is not a TCP port (1-65535)", raw.service),
             )
         })?;
+    let auth = raw.acl && !raw.auth_none;
+    if raw.tls && !auth {
+        return Err(invalid(
+            "protocol.tls",
+            "TLS needs acl and DH-HMAC-CHAP: each host's PSK is derived from its secret",
+        ));
+    }
     Ok(Protocol {
         service,
         acl: raw.acl,
-        auth: raw.acl && !raw.auth_none,
+        auth,
+        tls: raw.tls,
     })
 }
 
@@ -809,7 +819,7 @@ mod tests {
                 }),
                 volume_id,
                 pool,
-                protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl, auth_none: true }),
+                protocol: p.map(|(service, acl)| api::ExportProtocol { service, acl, auth_none: true, tls: false }),
                 allowed_host_nqns: hosts,
                 credentials: vec![],
             })

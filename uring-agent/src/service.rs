@@ -57,6 +57,7 @@ mod loss;
 mod request;
 mod resync;
 mod snapshot;
+mod tls;
 mod volume;
 
 pub use error::AgentError;
@@ -88,6 +89,14 @@ pub struct Agent {
     export_auth: std::sync::Mutex<BTreeMap<VolumeId, bool>>,
     /// Whether the kernel has NVMe in-band authentication, once looked at (`auth`).
     auth_supported: std::sync::OnceLock<bool>,
+    /// Whether the kernel has TLS for the NVMe/TCP target, once looked at (`tls`).
+    tls_supported: std::sync::OnceLock<bool>,
+    /// Where hosts' TLS PSKs go (`tls`): the kernel's `.nvme` keyring, or a folder beside the
+    /// double.
+    psk_keyring: tls::PskKeyring,
+    /// The hosts whose PSK was installed for each export since the start, so an unexport
+    /// invalidates them. In memory, like `export_ports`: a resync installs them again.
+    psk_hosts: std::sync::Mutex<BTreeMap<VolumeId, BTreeSet<pillar_nvmet::HostNqn>>>,
     boot_id: String,
     /// The state directory's identity (C6).
     state_id: crate::state::StateIdentity,
@@ -124,6 +133,7 @@ impl Agent {
         settings: AgentSettings,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let psk_keyring = tls::PskKeyring::for_target(target.kind(), target.root());
         Self {
             engine,
             marks,
@@ -137,6 +147,9 @@ impl Agent {
             export_ports: std::sync::Mutex::new(BTreeMap::new()),
             export_auth: std::sync::Mutex::new(BTreeMap::new()),
             auth_supported: std::sync::OnceLock::new(),
+            tls_supported: std::sync::OnceLock::new(),
+            psk_keyring,
+            psk_hosts: std::sync::Mutex::new(BTreeMap::new()),
             boot_id: uuid::Uuid::new_v4().to_string(),
             state_id,
             unmarked: std::sync::Mutex::new(BTreeSet::new()),

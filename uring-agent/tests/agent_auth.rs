@@ -25,6 +25,7 @@ fn export(uid: &str, generation: u64, volume: &str) -> api::ExportRequest {
             service: 4420,
             acl: true,
             auth_none: false,
+            tls: false,
         }),
         allowed_host_nqns: vec![],
         credentials: vec![],

@@ -553,6 +553,7 @@ async fn malformed_requests_change_nothing() {
             service: 0,
             acl: true,
             auth_none: true,
+            tls: false,
         });
         assert_eq!(code(c.export(no_port).await), Code::InvalidArgument);
         let mut bad_host = grant("u1", 9, "base", 1);
@@ -569,6 +570,7 @@ async fn malformed_requests_change_nothing() {
             service: 70000,
             acl: true,
             auth_none: true,
+            tls: false,
         });
         assert_eq!(code(c.export(bad_service).await), Code::InvalidArgument);
         let mut bad_acl_host = export_req("u1", 9, "base", true, &[]);

@@ -52,6 +52,16 @@ pub enum HostError {
     // ---- fabrics ----
     #[error("cannot open {path:?} (is the nvme-fabrics module loaded?)")]
     OpenFabrics { path: PathBuf, source: io::Error },
+    #[error("cannot {what} the kernel's .nvme keyring")]
+    Keyring {
+        what: &'static str,
+        source: io::Error,
+    },
+    #[error(
+        "the kernel has no .nvme keyring, so it has no TLS for NVMe/TCP (CONFIG_NVME_TCP_TLS not \
+         set, or the nvme-keyring module not loaded)"
+    )]
+    NoKeyring,
     #[error("subsystem {nqn} at {traddr}:{trsvcid} is already connected with these options")]
     AlreadyConnected {
         nqn: String,
@@ -234,6 +244,8 @@ impl HostError {
                 C::InvalidInput
             }
             Self::AlreadyConnected { .. } => C::AlreadyExists,
+            Self::NoKeyring => C::FailedPrecondition,
+            Self::Keyring { .. } => C::Internal,
             Self::OpenFabrics { source, .. } => {
                 if source.kind() == io::ErrorKind::NotFound {
                     C::Unavailable

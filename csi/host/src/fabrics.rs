@@ -46,6 +46,10 @@ pub struct ConnectOptions {
     /// the target to prove (`dhchap_ctrl_secret=`, bidirectional). `None`: no authentication.
     /// Never logged: `Debug` of the secrets is redacted, and the options line is never logged.
     pub auth: Option<ConnectAuth>,
+    /// TLS for NVMe/TCP: the PSK this host presents for the subsystem. [`connect`] puts it in
+    /// the kernel's `.nvme` keyring and connects with `tls,tls_key=<its serial>`; the kernel
+    /// hands it to `tlshd`, which does the handshake. `None`: no TLS. Never logged.
+    pub tls: Option<pillar_nvmet::TlsPsk>,
 }
 
 /// The host's DH-HMAC-CHAP secrets for one connect.
@@ -77,6 +81,9 @@ impl ConnectOptions {
             if let Some(ctrl) = &auth.ctrl_secret {
                 let _ = write!(line, ",dhchap_ctrl_secret={}", ctrl.expose());
             }
+        }
+        if self.tls.is_some() {
+            line.push_str(",tls");
         }
         line
     }
@@ -144,11 +151,45 @@ pub fn connect(paths: &HostPaths, opts: &ConnectOptions) -> Result<Controller, H
         })?;
     tracing::info!(
         nqn = %opts.nqn, traddr = %opts.traddr, trsvcid = opts.trsvcid, hostnqn = %opts.hostnqn,
-        dhchap = opts.auth.is_some(), "connecting NVMe/TCP controller"
+        dhchap = opts.auth.is_some(), tls = opts.tls.is_some(), "connecting NVMe/TCP controller"
     );
-    let ctrl = connect_on(&mut file, &path, opts)?;
+    let tls_key = opts.tls.as_ref().map(install_psk).transpose()?;
+    let ctrl = connect_on(&mut file, &path, opts, tls_key)?;
     tracing::info!(nqn = %opts.nqn, controller = %ctrl.name, cntlid = ctrl.cntlid, "connected");
     Ok(ctrl)
+}
+
+/// Puts `psk` into the kernel's `.nvme` keyring (replacing the key of the same identity) and
+/// answers its serial, for `tls_key=`.
+fn install_psk(psk: &pillar_nvmet::TlsPsk) -> Result<i32, HostError> {
+    let ring = pillar_nvmet::nvme_keyring()
+        .map_err(|source| HostError::Keyring {
+            what: "find",
+            source,
+        })?
+        .ok_or(HostError::NoKeyring)?;
+    pillar_nvmet::add_psk(ring, psk).map_err(|source| HostError::Keyring {
+        what: "add a TLS PSK to",
+        source,
+    })
+}
+
+/// Invalidates this host's PSK of `identity` (after the last controller of its subsystem is
+/// gone). A kernel without the keyring has none to remove.
+pub fn remove_psk(identity: &str) -> Result<(), HostError> {
+    let Some(ring) = pillar_nvmet::nvme_keyring().map_err(|source| HostError::Keyring {
+        what: "find",
+        source,
+    })?
+    else {
+        return Ok(());
+    };
+    pillar_nvmet::remove_psk(ring, identity)
+        .map(|_| ())
+        .map_err(|source| HostError::Keyring {
+            what: "remove a TLS PSK from",
+            source,
+        })
 }
 
 /// The write-then-read exchange on an open control device (split out so it can be tested with a
@@ -157,8 +198,12 @@ pub(crate) fn connect_on<F: Read + Write>(
     file: &mut F,
     path: &Path,
     opts: &ConnectOptions,
+    tls_key: Option<i32>,
 ) -> Result<Controller, HostError> {
-    let line = opts.options_line();
+    let mut line = opts.options_line();
+    if let Some(serial) = tls_key {
+        let _ = write!(line, ",tls_key={serial}");
+    }
     // One write(2): the kernel parses whatever a single write delivers as the complete options.
     let written = file.write(line.as_bytes()).map_err(|source| {
         if source.raw_os_error() == Some(libc::EALREADY) {
@@ -255,6 +300,7 @@ mod tests {
             ctrl_loss_tmo: -1,
             reconnect_delay: 2,
             auth: None,
+            tls: None,
         }
     }
 
@@ -292,6 +338,25 @@ mod tests {
         let debug = format!("{o:?}");
         assert!(!debug.contains(&secret.expose()[10..40]), "{debug}");
         assert!(!debug.contains(&ctrl.expose()[10..40]), "{debug}");
+    }
+
+    #[test]
+    fn tls_is_on_the_line_with_the_key_serial_and_the_psk_nowhere() {
+        let secret = pillar_nvmet::DhchapSecret::generate().unwrap();
+        let mut o = opts();
+        assert!(!o.options_line().contains("tls"));
+        let psk = pillar_nvmet::TlsPsk::derive(&secret, &o.hostnqn, &o.nqn);
+        o.tls = Some(psk.clone());
+        assert!(
+            o.options_line().ends_with(",reconnect_delay=2,tls"),
+            "{}",
+            o.options_line()
+        );
+        let mut f = fake(None);
+        connect_on(&mut f, Path::new("/dev/nvme-fabrics"), &o, Some(0x1234)).unwrap();
+        let written = String::from_utf8(f.writes[0].clone()).unwrap();
+        assert!(written.ends_with(",tls,tls_key=4660"), "{written}");
+        assert!(format!("{o:?}").contains("<redacted>"));
     }
 
     #[test]
@@ -396,7 +461,7 @@ mod tests {
     #[test]
     fn connect_writes_once_and_reads_the_reply() {
         let mut f = fake(None);
-        let ctrl = connect_on(&mut f, Path::new("/dev/nvme-fabrics"), &opts()).unwrap();
+        let ctrl = connect_on(&mut f, Path::new("/dev/nvme-fabrics"), &opts(), None).unwrap();
         assert_eq!(ctrl.name, "nvme7");
         assert_eq!(ctrl.cntlid, 2);
         assert_eq!(f.writes.len(), 1);
@@ -405,14 +470,20 @@ mod tests {
 
     #[test]
     fn ealready_is_reported_distinctly() {
-        let err =
-            connect_on(&mut fake(Some(libc::EALREADY)), Path::new("/x"), &opts()).unwrap_err();
+        let err = connect_on(
+            &mut fake(Some(libc::EALREADY)),
+            Path::new("/x"),
+            &opts(),
+            None,
+        )
+        .unwrap_err();
         assert!(matches!(err, HostError::AlreadyConnected { .. }), "{err:?}");
         assert_eq!(err.errno(), Some(libc::EALREADY));
         let err = connect_on(
             &mut fake(Some(libc::ECONNREFUSED)),
             Path::new("/x"),
             &opts(),
+            None,
         )
         .unwrap_err();
         assert!(matches!(err, HostError::Connect { .. }), "{err:?}");

@@ -38,7 +38,7 @@ pub mod fake;
 use std::path::{Path, PathBuf};
 
 pub use error::{ErrorClass, HostError, StageRecordError};
-pub use fabrics::{ConnectAuth, ConnectOptions, Controller, connect};
+pub use fabrics::{ConnectAuth, ConnectOptions, Controller, connect, remove_psk};
 pub use fs::{
     Formatted, FsType, Probe, Signature, VolumeStats, XFS_MIN_BYTES, bind_mount, block_device_size,
     find_mount, format_if_blank, grow_filesystem, is_mountpoint, mkfs, mount, probe, probe_blank,

@@ -4,7 +4,9 @@
 
 use pillar_agent_api::v1 as agent_api;
 use pillar_agent_api::{ErrorReason, reason_of};
-use pillar_state::crd::{PillarAgent, PillarProtocol, PillarVolumeState, ProtocolAuth};
+use pillar_state::crd::{
+    PillarAgent, PillarProtocol, PillarVolumeState, ProtocolAuth, ProtocolTls,
+};
 use pillar_state::store::{StateStore, StoreError};
 use tonic::Status;
 
@@ -206,11 +208,19 @@ pub(super) fn requires_auth(protocol: &PillarProtocol) -> bool {
     protocol.spec.nvme_tcp.acl && protocol.spec.nvme_tcp.auth == ProtocolAuth::Dhchap
 }
 
+/// Whether the protocol's exports require TLS for NVMe/TCP. Sent as asked: the agent refuses
+/// TLS without an ACL and authentication (INVALID_ARGUMENT), as the PSKs are derived from the
+/// hosts' secrets.
+pub(super) fn requires_tls(protocol: &PillarProtocol) -> bool {
+    protocol.spec.nvme_tcp.tls == ProtocolTls::Required
+}
+
 pub(super) fn export_protocol(protocol: &PillarProtocol) -> agent_api::ExportProtocol {
     agent_api::ExportProtocol {
         service: u32::from(protocol.spec.nvme_tcp.port),
         acl: protocol.spec.nvme_tcp.acl,
         auth_none: !requires_auth(protocol),
+        tls: requires_tls(protocol),
     }
 }
 

@@ -147,7 +147,9 @@ pub fn agent_code(status: &Status) -> Code {
         | R::SourceInUse
         | R::UnclaimedVolume
         // W10: the storage node's kernel cannot authenticate hosts; nothing was applied.
-        | R::AuthUnsupported => Code::FailedPrecondition,
+        | R::AuthUnsupported
+        // The storage node's kernel has no TLS for NVMe/TCP; nothing was applied.
+        | R::TlsUnsupported => Code::FailedPrecondition,
         R::SizeMismatch => Code::AlreadyExists,
         R::SizeOutOfRange => Code::OutOfRange,
         R::MarkIo | R::TargetFailed | R::ReadBackMismatch | R::BackendFailed | R::AgentFailed => {

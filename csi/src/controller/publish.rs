@@ -260,6 +260,9 @@ impl Controller {
             }
             .to_owned(),
         );
+        if super::agent::requires_tls(&protocol) {
+            publish_context.insert(context::TLS.to_owned(), "required".to_owned());
+        }
         if !protocol.spec.nvme_tcp.acl {
             tracing::warn!(volume = %name, protocol = %state.spec.protocol, "published with acl: false: any host that reaches the port can connect, and unpublishing cannot keep a lost node out");
         } else if !super::agent::requires_auth(&protocol) {

@@ -126,7 +126,16 @@ impl Kernel for HostKernel {
         nqn: &SubsystemNqn,
         hostnqn: Option<&HostNqn>,
     ) -> Result<Vec<String>, HostError> {
-        pillar_host::disconnect_subsystem(&self.paths, nqn, hostnqn)
+        let gone = pillar_host::disconnect_subsystem(&self.paths, nqn, hostnqn)?;
+        if let Some(host) = hostnqn {
+            // This host's TLS PSK for the subsystem, if a connect put one in the keyring: of no
+            // use once its controllers are gone, and secret material. A failure leaves a key
+            // the target no longer admits once revoked; it does not fail the disconnect.
+            if let Err(e) = pillar_host::remove_psk(&pillar_nvmet::psk_identity(host, nqn)) {
+                tracing::warn!(%nqn, error = %e, "cannot remove the TLS PSK of a disconnected subsystem");
+            }
+        }
+        Ok(gone)
     }
 
     fn wait_for_namespace(

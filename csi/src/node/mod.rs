@@ -196,6 +196,7 @@ impl NodeService {
         )?;
         if let request::AttachTarget::Nvme(opts) = &mut ctx.target {
             opts.auth = request::stage_auth(&volume, &req.publish_context, &req.secrets)?;
+            opts.tls = request::stage_tls(&volume, &req.publish_context, opts)?;
         }
         let guard = self.locks.try_lock(&volume)?;
         Ok(Box::new(move |e| {

@@ -163,6 +163,37 @@ pub fn stage_auth(
     }))
 }
 
+/// The TLS PSK a stage connects with: `None` unless the publish context requires TLS; then
+/// derived from the node's DH-HMAC-CHAP secret for this host and subsystem (the agent derives
+/// the same one), refused (FAILED_PRECONDITION) without authentication, since there is no
+/// secret to derive it from.
+pub fn stage_tls(
+    volume: &VolumeId,
+    ctx: &HashMap<String, String>,
+    opts: &ConnectOptions,
+) -> Result<Option<pillar_nvmet::TlsPsk>, NodeError> {
+    match optional(ctx, context::TLS) {
+        None | Some("none") => return Ok(None),
+        Some("required") => {}
+        Some(other) => {
+            return Err(NodeError::InvalidContext {
+                key: context::TLS,
+                value: other.to_owned(),
+                reason: "must be \"required\" or \"none\"".into(),
+            });
+        }
+    }
+    let auth = opts.auth.as_ref().ok_or_else(|| NodeError::MissingSecret {
+        volume: volume.to_string(),
+        key: context::SECRET_DHCHAP,
+    })?;
+    Ok(Some(pillar_nvmet::TlsPsk::derive(
+        &auth.secret,
+        &opts.hostnqn,
+        &opts.nqn,
+    )))
+}
+
 /// N5: whether a stage with `cap` and the publication's context `ctx` is read-only. A
 /// read-only publication (a reader-only access mode, or the controller's `READ_ONLY` key for a
 /// publication made readonly) stages read-only on every node.
@@ -265,9 +296,10 @@ fn nvme_target(
             context::RECONNECT_DELAY,
             required(ctx, context::RECONNECT_DELAY)?,
         )?,
-        // Set by the caller from the request's secrets (`stage_auth`), after this line may
-        // have been shown in an error.
+        // Set by the caller from the request's secrets (`stage_auth`, `stage_tls`), after this
+        // line may have been shown in an error.
         auth: None,
+        tls: None,
     };
     if opts.ctrl_loss_tmo < -1 {
         return Err(NodeError::InvalidContext {
@@ -327,6 +359,51 @@ mod tests {
             fs_type: fs.into(),
             ..Default::default()
         }))
+    }
+
+    #[test]
+    fn tls_is_asked_by_the_context_and_the_psk_derived_from_the_node_pair() {
+        let volume = VolumeId::parse("pvc-t").unwrap();
+        let secret = pillar_nvmet::DhchapSecret::generate().unwrap();
+        let mut opts = ConnectOptions {
+            traddr: "127.0.0.1".parse().unwrap(),
+            trsvcid: 4420,
+            nqn: volume.subsystem_nqn(),
+            hostnqn: HostNqn::parse(HOST).unwrap(),
+            hostid: Uuid::from_u128(1),
+            ctrl_loss_tmo: 600,
+            reconnect_delay: 10,
+            auth: None,
+            tls: None,
+        };
+        let ctx = |v: Option<&str>| -> HashMap<String, String> {
+            v.map(|v| (context::TLS.to_owned(), v.to_owned()))
+                .into_iter()
+                .collect()
+        };
+        assert_eq!(stage_tls(&volume, &ctx(None), &opts).unwrap(), None);
+        assert_eq!(stage_tls(&volume, &ctx(Some("none")), &opts).unwrap(), None);
+        assert!(matches!(
+            stage_tls(&volume, &ctx(Some("yes")), &opts),
+            Err(NodeError::InvalidContext { .. })
+        ));
+        // Without the node's pair there is nothing to derive the PSK from: refused.
+        assert!(matches!(
+            stage_tls(&volume, &ctx(Some("required")), &opts),
+            Err(NodeError::MissingSecret { .. })
+        ));
+        opts.auth = Some(pillar_host::ConnectAuth {
+            secret: secret.clone(),
+            ctrl_secret: None,
+        });
+        let psk = stage_tls(&volume, &ctx(Some("required")), &opts)
+            .unwrap()
+            .expect("a PSK");
+        // The agent derives the same from the same pair (`install_psks`).
+        assert_eq!(
+            psk,
+            pillar_nvmet::TlsPsk::derive(&secret, &opts.hostnqn, &opts.nqn)
+        );
     }
 
     #[test]

@@ -419,6 +419,7 @@ pub struct PoolRef {
     printcolumn(name = "Port", type_ = "integer", json_path = ".spec.nvmeTcp.port"),
     printcolumn(name = "ACL", type_ = "boolean", json_path = ".spec.nvmeTcp.acl"),
     printcolumn(name = "Auth", type_ = "string", json_path = ".spec.nvmeTcp.auth"),
+    printcolumn(name = "TLS", type_ = "string", json_path = ".spec.nvmeTcp.tls"),
     printcolumn(name = "FS", type_ = "string", json_path = ".spec.nvmeTcp.fsType"),
     printcolumn(
         name = "Age",
@@ -453,6 +454,15 @@ pub struct NvmeTcp {
     /// (shown on each published volume as `AuthDisabled=True`, with a Warning event).
     #[serde(default)]
     pub auth: ProtocolAuth,
+    /// `none` (default): NVMe/TCP in clear. `required`: hosts connect over TLS 1.3 with a PSK
+    /// (the storage node's port has `addr_tsas=tls1.3`, `addr_treq=required`; `tlshd` from
+    /// ktls-utils does the handshake on both ends), so a host without its PSK, or without TLS,
+    /// is refused. Each host's PSK is derived from its DH-HMAC-CHAP secret, so `required` needs
+    /// `acl: true` and `auth: dhchap`. An export is refused on a storage node whose kernel has
+    /// no TLS for the NVMe/TCP target. Ports are shared by the protocols on the same `port`,
+    /// which must then agree on `tls`; an edit reaches exports made after it.
+    #[serde(default)]
+    pub tls: ProtocolTls,
     /// `ctrl_loss_tmo` in seconds passed at connect; default 600, the kernel's and nvme-cli's own
     /// default. `-1` reconnects forever.
     #[serde(default = "default_ctrl_loss_tmo")]
@@ -477,6 +487,17 @@ pub enum ProtocolAuth {
     Dhchap,
     /// No authentication: a host is admitted on the NQN it presents.
     None,
+}
+
+/// TLS for a protocol's NVMe/TCP connections.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ProtocolTls {
+    /// No TLS (the default).
+    #[default]
+    None,
+    /// TLS 1.3 with a PSK per host and volume; plain hosts are refused.
+    Required,
 }
 
 /// Filesystems pillar formats.
@@ -526,6 +547,7 @@ impl Default for NvmeTcp {
             port: DEFAULT_NVME_TCP_PORT,
             acl: true,
             auth: ProtocolAuth::Dhchap,
+            tls: ProtocolTls::None,
             ctrl_loss_tmo: DEFAULT_CTRL_LOSS_TMO,
             reconnect_delay: DEFAULT_RECONNECT_DELAY,
             fs_type: FsType::Ext4,

@@ -33,6 +33,7 @@ async fn export(agent: &mut AgentClient<Channel>, pool: &str, vol: &str, life: &
                 service: u32::from(PORT),
                 acl: false,
                 auth_none: true,
+                tls: false,
             }),
             allowed_host_nqns: vec![],
             credentials: vec![],

@@ -56,6 +56,9 @@
 //! 15. DH-HMAC-CHAP (W10): without a secret or with a wrong one the node's NQN is refused, with
 //!     it the node connects and does I/O; rotation with the controller live; a revoked secret
 //!     no longer connects; without kernel support the export requiring it is refused
+//! 16. TLS for NVMe/TCP (tlshd from sid): the node with its PSK connects over TLS and does I/O,
+//!     a plain host is refused, a capture of the port shows no NVMe/TCP PDU in clear but the
+//!     refused plain attempt's; without kernel support the export requiring TLS is refused
 //!
 //! Benchmarks (`b*`, left out of the lane's default run; `tests/kernel-lane/run.sh b1_`):
 //! 1. the attach path: CreateVolume -> ControllerPublish -> NodeStage -> NodePublish of 50
@@ -64,12 +67,13 @@
 //! Layout: [`harness`] (settings, the gate and result lines, the kernel log, processes, machine
 //! state, data with checksums, the lab, kernel-side checks), [`lvm`] (scenario 8's LVM helpers), [`attach`] (NVMe/TCP attach of scenarios 12 and 13),
 //! [`reboot`] (the storage-node reboot of scenarios 3 and 4), [`logwrites`] (scenario 14's
-//! log-writes device and replayed states), and one module per scenario, named
+//! log-writes device and replayed states), [`capture`] (scenario 16's look at the wire), and one module per scenario, named
 //! as its test (libtest paths are `<scenario>::<scenario>`; name filters such as `s3_` match).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod attach;
 mod b1_attach_path;
+mod capture;
 mod harness;
 mod logwrites;
 mod lvm;
@@ -81,6 +85,7 @@ mod s12_lvm_thin_snapshots;
 mod s13_zfs;
 mod s14_crash_states;
 mod s15_dhchap;
+mod s16_tls;
 mod s1_provision_publish_stage_io;
 mod s2_agent_restart_keeps_identity;
 mod s3_storage_reboot_recovers;

@@ -102,6 +102,7 @@ pub(crate) async fn storage_reboot(
                 service: u32::from(PORT),
                 acl: true,
                 auth_none: true,
+                tls: false,
             }),
             allowed_host_nqns: vec![host.to_string()],
             credentials: vec![],

@@ -34,6 +34,7 @@ fn export_request(volume: &str) -> agent_api::ExportRequest {
             service: u32::from(PORT),
             acl: true,
             auth_none: true,
+            tls: false,
         }),
         allowed_host_nqns: vec![HOST.into()],
         credentials: vec![],

@@ -220,6 +220,7 @@ async fn operations(
                 acl: true,
                 // The crash states of the marks, not authentication: the same on both kernels.
                 auth_none: true,
+                tls: false,
             }),
             allowed_host_nqns: vec![],
             credentials: vec![],

@@ -153,6 +153,7 @@ async fn s15_dhchap() {
             service: u32::from(PORT),
             acl: true,
             auth_none,
+            tls: false,
         }),
         allowed_host_nqns: vec![],
         credentials: vec![],

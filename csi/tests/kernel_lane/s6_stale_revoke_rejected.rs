@@ -75,6 +75,7 @@ async fn s6_stale_revoke_rejected() {
                 service: u32::from(PORT),
                 acl: true,
                 auth_none: true,
+                tls: false,
             }),
             allowed_host_nqns: vec![],
             credentials: vec![],

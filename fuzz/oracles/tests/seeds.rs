@@ -105,6 +105,7 @@ fn export() -> api::ExportRequest {
             service: 4420,
             acl: true,
             auth_none: true,
+            tls: false,
         }),
         allowed_host_nqns: vec![HOST.into()],
         credentials: vec![],

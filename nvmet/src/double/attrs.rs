@@ -14,6 +14,9 @@
 //! - A host entry's `dhchap_*` attribute of a kernel without authentication does not exist
 //!   (ENOENT); a key must start `DHHC-1:<0-3>:` or be empty, a hash or group one the kernel
 //!   names (EINVAL otherwise).
+//! - A port's `addr_tsas` exists only where the modelled kernel has TLS for the target (ENOENT
+//!   otherwise); it takes `none` or `tls1.3` on a TCP port, and `addr_treq` `not specified` is
+//!   refused while it is `tls1.3` (EINVAL).
 //! - An attribute the kernel does not have cannot be created (EACCES).
 
 use std::io;
@@ -22,7 +25,8 @@ use std::path::Path;
 use super::parse::{first_line, first_token, kernel_nguid, kernel_uuid, kstrtobool, kstrtou};
 use super::place::{Place, classify};
 use super::{ConfigfsDouble, errno};
-use crate::model::SUBSYSTEMS;
+use crate::model::{PORTS, SUBSYSTEMS};
+use crate::tls::{ADDR_TREQ, ADDR_TSAS, TREQ_REQUIRED, TSAS_TLS13};
 
 impl ConfigfsDouble {
     /// Whether the kernel takes `value` into the attribute `rel`, and the value it then shows.
@@ -31,7 +35,12 @@ impl ConfigfsDouble {
         if path.is_dir() {
             return Err(errno(libc::EISDIR));
         }
-        if matches!(classify(rel), Place::HostAttr(..)) && !path.is_file() {
+        let missing_optional = match classify(rel) {
+            Place::HostAttr(..) => true,
+            Place::PortAttr(_, attr) => attr == ADDR_TSAS,
+            _ => false,
+        };
+        if missing_optional && !path.is_file() {
             // The attribute does not exist (a kernel without authentication): opening it for
             // writing without O_CREAT fails.
             return Err(errno(libc::ENOENT));
@@ -184,9 +193,64 @@ impl ConfigfsDouble {
                 }
                 v
             }
+            ADDR_TSAS => return self.write_port_tsas(port, value),
+            ADDR_TREQ => return self.write_port_treq(port, value),
             _ => return Err(errno(libc::EACCES)),
         };
         Ok(String::from(v))
+    }
+
+    fn port_attr(&self, port: &str, attr: &str) -> io::Result<String> {
+        self.attr(&self.root.join(PORTS).join(port).join(attr))
+    }
+
+    /// `addr_tsas`, as `nvmet_addr_tsas_store` takes it on a kernel with TLS for the target:
+    /// a TCP port only, `none` or `tls1.3` (its effect on `addr_treq` completes the write).
+    fn write_port_tsas(&self, port: &str, value: &str) -> io::Result<String> {
+        let v = first_line(value);
+        if self.port_attr(port, "addr_trtype")? != "tcp" || !matches!(v, "none" | TSAS_TLS13) {
+            return Err(errno(libc::EINVAL));
+        }
+        Ok(String::from(v))
+    }
+
+    /// `addr_treq`, as `nvmet_addr_treq_store` takes it: `not specified` is refused on a TLS
+    /// port.
+    fn write_port_treq(&self, port: &str, value: &str) -> io::Result<String> {
+        let v = first_line(value);
+        if !matches!(v, "not specified" | TREQ_REQUIRED | "not required") {
+            return Err(errno(libc::EINVAL));
+        }
+        let tls = self.tls_modelled() && self.port_attr(port, ADDR_TSAS)? == TSAS_TLS13;
+        if tls && v == "not specified" {
+            return Err(errno(libc::EINVAL));
+        }
+        Ok(String::from(v))
+    }
+
+    /// After a write completed, its effect on other port attributes: `addr_trtype` resets the
+    /// secure channel (`none` for TCP), as `nvmet_addr_trtype_store` does; `addr_tsas` `tls1.3`
+    /// turns an unspecified `addr_treq` into `required`, `none` makes it `not specified`, as
+    /// `nvmet_addr_tsas_store` does.
+    pub(super) fn port_write_done(&self, rel: &Path, value: &str) -> io::Result<()> {
+        let Place::PortAttr(port, attr) = classify(rel) else {
+            return Ok(());
+        };
+        let dir = self.root.join(PORTS).join(port);
+        match attr {
+            "addr_trtype" if self.tls_modelled() => {
+                let tsas = if value == "tcp" { "none" } else { "" };
+                self.set(&dir.join(ADDR_TSAS), tsas)
+            }
+            ADDR_TSAS if value == TSAS_TLS13 => {
+                if self.attr(&dir.join(ADDR_TREQ))? == "not specified" {
+                    self.set(&dir.join(ADDR_TREQ), TREQ_REQUIRED)?;
+                }
+                Ok(())
+            }
+            ADDR_TSAS => self.set(&dir.join(ADDR_TREQ), "not specified"),
+            _ => Ok(()),
+        }
     }
 
     /// A host entry's authentication attribute, as `nvmet_auth_set_key`,

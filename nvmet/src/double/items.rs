@@ -128,6 +128,10 @@ impl ConfigfsDouble {
         ] {
             self.set(&path.join(attr), value)?;
         }
+        if self.tls_modelled() {
+            // Shown empty until `addr_trtype` is written (no transport, no secure channel).
+            self.set(&path.join(crate::tls::ADDR_TSAS), "")?;
+        }
         Ok(())
     }
 

@@ -43,7 +43,8 @@ pub fn code_of(reason: ErrorReason) -> Code {
         | R::SourceNotLive
         | R::SourceInUse
         | R::UnclaimedVolume
-        | R::AuthUnsupported => Code::FailedPrecondition,
+        | R::AuthUnsupported
+        | R::TlsUnsupported => Code::FailedPrecondition,
         R::MarkCorrupt | R::IdentityRecordCorrupt => Code::DataLoss,
         R::WaitingForResync | R::NoNvmet | R::Overloaded | R::StateLost => Code::Unavailable,
         R::SizeMismatch => Code::AlreadyExists,

@@ -8,7 +8,9 @@
 //!   links the subsystem back to the ports its export belongs on, and a grant makes sure it is
 //!   on them: a cut that failed half-way is finished by the next revoke or grant.
 //! - An ACL entry that is not a host NQN pillar writes is refused, never rewritten.
-//! - A grant on an export that requires authentication carries the host's keys (W10).
+//! - A grant on an export that requires authentication carries the host's keys (W10); on one
+//!   that requires TLS its PSK goes into the keyring before the ACL change, and a revoke
+//!   invalidates it after the cut.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -47,6 +49,10 @@ impl Agent {
         }
         let creds: BTreeMap<HostNqn, HostAuth> =
             creds.map(|c| (host.clone(), c)).into_iter().collect();
+        if self.export_requires_tls(volume) {
+            // Before the ACL admits the host (its credentials are required above).
+            self.install_psks(volume, &creds)?;
+        }
         self.change_acl(token, volume, host, Intent::Grant, &creds)
             .await
     }
@@ -60,7 +66,9 @@ impl Agent {
     ) -> Result<(), AgentError> {
         self.ensure_not_lost().await?;
         self.change_acl(token, volume, host, Intent::Revoke, &BTreeMap::new())
-            .await
+            .await?;
+        // After the cut: the host's live TLS sessions are gone with its controllers.
+        self.remove_psk(volume, host)
     }
 
     async fn change_acl(

@@ -84,6 +84,15 @@ pub enum AgentError {
     )]
     AuthUnsupported { volume: String },
     #[error(
+        "volume {volume}'s export requires TLS for NVMe/TCP, but this node's kernel has none \
+         (ports have no addr_tsas, tls1.3 is refused, or there is no .nvme keyring: \
+         CONFIG_NVME_TARGET_TCP_TLS is not set): refusing rather than taking plain hosts; set \
+         `tls: none` on the PillarProtocol, or serve the pool from a kernel with it"
+    )]
+    TlsUnsupported { volume: String },
+    #[error("{what}")]
+    Keyring { what: String },
+    #[error(
         "snapshot {snapshot} exists in the pool but has no fencing mark (the agent's state was \
          lost?); refusing to adopt it"
     )]

@@ -2,8 +2,9 @@
 //! unexport.
 //!
 //! Invariants:
-//! - An export is fenced, refused when its kernel lacks the authentication it requires (W10)
-//!   and when its volume does not exist, all before anything changes, the mark included.
+//! - An export is fenced, refused when its kernel lacks the authentication (W10) or the TLS it
+//!   requires and when its volume does not exist, all before anything changes, the mark
+//!   included. With TLS, the admitted hosts' PSKs are in the keyring before the ACL is applied.
 //! - Exports use the derived identity (I1) or the recorded adopted one (I4); a live export
 //!   showing another identity is adopted and recorded before the change is applied; the
 //!   read-back after the change is verified against the plan (I2).
@@ -52,6 +53,11 @@ impl Agent {
         let _lock = self.lock_volume(volume).await;
         let decision = self.check(volume, request.token.as_ref(), intent).await?;
         let auth = request.protocol.acl && request.protocol.auth;
+        if request.protocol.tls {
+            // Refused before anything changes, the mark included; first, as the more
+            // specific reason (TLS requires authentication too).
+            self.require_tls_support(volume).await?;
+        }
         if auth {
             // W10: refused before anything changes, the mark included.
             self.require_auth_support(volume).await?;
@@ -66,6 +72,10 @@ impl Agent {
         } else {
             BTreeMap::new()
         };
+        if request.protocol.tls {
+            // Before the ACL admits anyone: a host finds its PSK as soon as it may connect.
+            self.install_psks(volume, &creds)?;
+        }
         let nqn = spec.nqn.clone();
         let (guard, (mut plan, closes)) = self
             .plan_export_under_lock(volume, &spec, &creds, intent)
@@ -124,7 +134,13 @@ impl Agent {
             HostAccess::AnyHost
         };
         let address = SocketAddr::new(self.settings.nvme_address, service);
-        let ports = [(PortId::new(service), PortSpec::tcp(address))]
+        let port = PortSpec::tcp(address);
+        let port = if request.protocol.tls {
+            port.with_tls()
+        } else {
+            port
+        };
+        let ports = [(PortId::new(service), port)]
             .into_iter()
             .collect();
         let mut spec = volume_export(volume, info.device_path, access, ports);
@@ -276,6 +292,7 @@ impl Agent {
         self.target.forget_identity(volume).await?;
         self.export_ports_map().remove(volume);
         self.remember_export_auth(volume, None);
+        self.remove_psks(volume)?;
         self.unrestored_set().remove(volume);
         tracing::info!(%volume, "unexported");
         Ok(())

@@ -35,6 +35,8 @@ pub struct Protocol {
     pub acl: bool,
     /// With `acl`: every admitted host must authenticate (DH-HMAC-CHAP, W10).
     pub auth: bool,
+    /// Hosts must connect over TLS 1.3 with their PSK (only with `auth`).
+    pub tls: bool,
 }
 
 /// A volume size the backends accept: 1 byte to [`MAX_VOLUME_BYTES`].

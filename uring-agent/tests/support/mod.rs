@@ -281,6 +281,7 @@ pub fn export_req(
             service: 4420,
             acl,
             auth_none: true,
+            tls: false,
         }),
         allowed_host_nqns: hosts.iter().map(|h| host(*h)).collect(),
         credentials: vec![],

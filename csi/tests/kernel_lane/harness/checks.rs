@@ -284,6 +284,7 @@ pub(crate) fn connect_opts(volume: &str, host: &HostNqn, host_id: uuid::Uuid) ->
         ctrl_loss_tmo: CTRL_LOSS_TMO,
         reconnect_delay: RECONNECT_DELAY,
         auth: None,
+        tls: None,
     }
 }
 
