@@ -194,3 +194,38 @@ async fn a_tls_export_speaks_tls_only_and_its_hosts_psks_follow_their_admission(
         assert!(!configfs.join("ports/4420").exists());
     }
 }
+
+/// 65535 is a valid service, and the probe port's ID: an export on it is never written to or
+/// removed by the probe, and a TLS export elsewhere is still served (the probe used to write
+/// `addr_trtype` to that live port and then try to remove it, failing the TLS export).
+#[tokio::test]
+async fn the_tls_probe_leaves_an_export_on_its_port_id_alone() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        let configfs = a.dirs.configfs();
+        for (uid, volume) in [("u1", "v1"), ("u2", "v2")] {
+            a.client
+                .create_volume(create_req(uid, 1, volume, 8 * MIB))
+                .await
+                .unwrap();
+        }
+        let mut plain = export("u1", 2, "v1");
+        let protocol = plain.protocol.as_mut().unwrap();
+        protocol.service = 65535;
+        protocol.tls = false;
+        a.client.export(plain).await.unwrap();
+        let v1 = VolumeId::parse("v1").unwrap().subsystem_nqn();
+        let link = configfs.join("ports/65535/subsystems").join(v1.as_str());
+        assert!(link.exists(), "{engine:?}");
+        a.client
+            .export(export("u2", 2, "v2"))
+            .await
+            .expect("a TLS export beside an export on port 65535");
+        assert!(
+            link.exists(),
+            "the probe left port 65535 alone ({engine:?})"
+        );
+        assert_eq!(port_attr(&configfs, "addr_tsas"), "tls1.3", "{engine:?}");
+    }
+}

@@ -61,13 +61,24 @@ fn detach(dev: &str) {
     }
 }
 
+/// Unmounts `point`, retrying for up to five seconds while it is busy: right after the agent
+/// exits, the kernel may still hold files of the mount for it (an io_uring's teardown runs
+/// after the process is gone, in a kernel worker). Lazily, with a line saying so, only then.
 fn unmount(point: &Path) {
-    if pillar_host::find_mount(point).ok().flatten().is_some() {
-        let status = Command::new("umount").arg(point).status();
-        if !matches!(status, Ok(s) if s.success()) {
-            println!("  cleanup: umount {}: {status:?}", point.display());
-            let _ = Command::new("umount").arg("-l").arg(point).status();
+    if pillar_host::find_mount(point).ok().flatten().is_none() {
+        return;
+    }
+    let mut status = Command::new("umount").arg(point).status();
+    for _ in 0..50 {
+        if matches!(status, Ok(s) if s.success()) {
+            return;
         }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        status = Command::new("umount").arg(point).status();
+    }
+    if !matches!(status, Ok(s) if s.success()) {
+        println!("  cleanup: umount {}: {status:?}", point.display());
+        let _ = Command::new("umount").arg("-l").arg(point).status();
     }
 }
 

@@ -121,16 +121,19 @@ impl Agent {
         Ok(*self.tls_supported.get_or_init(|| supported))
     }
 
-    /// Makes the probe port, asks it for TLS 1.3 and removes it, under the exclusive lock.
+    /// Makes the probe port, asks it for TLS 1.3 and removes it, under the exclusive lock. A
+    /// port of the probe's ID that exists is an export's (65535 is a valid service): it is
+    /// never written or removed, and whether it has `addr_tsas` answers.
     async fn probe_port_tls(&self) -> Result<bool, AgentError> {
         let guard = self.target.exclusive().await;
         let dir = Path::new(pillar_nvmet::PORTS).join(PROBE_PORT);
         let root = self.target.root().to_owned();
-        if !root.join(&dir).exists() {
-            self.target
-                .apply(&guard, vec![Op::Mkdir { path: dir.clone() }])
-                .await?;
+        if root.join(&dir).exists() {
+            return Ok(root.join(&dir).join(pillar_nvmet::ADDR_TSAS).exists());
         }
+        self.target
+            .apply(&guard, vec![Op::Mkdir { path: dir.clone() }])
+            .await?;
         let write = |attr: &str, value: &str| Op::Write {
             path: dir.join(attr),
             value: value.to_owned(),
