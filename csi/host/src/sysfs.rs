@@ -140,17 +140,25 @@ pub struct NamespaceDevice {
     pub parent: NamespaceParent,
 }
 
-/// Whether `s` is a controller name, `nvme<digits>`.
+/// Whether `s` is a controller name, `nvme<number>`.
 pub fn is_controller_name(s: &str) -> bool {
-    s.strip_prefix("nvme").is_some_and(is_digits)
+    s.strip_prefix("nvme").is_some_and(is_number)
 }
 
-/// Whether `s` is a visible namespace disk name, `nvme<digits>n<digits>` (not a hidden per-path
+/// Whether `s` is a visible namespace disk name, `nvme<number>n<number>` (not a hidden per-path
 /// disk `nvmeXcYnZ`, not a partition `nvmeXnYpZ`).
 pub fn is_namespace_name(s: &str) -> bool {
     s.strip_prefix("nvme")
         .and_then(|rest| rest.split_once('n'))
-        .is_some_and(|(a, b)| is_digits(a) && is_digits(b))
+        .is_some_and(|(a, b)| is_number(a) && is_number(b))
+}
+
+/// A number as the kernel prints one into a device name (`%d`): digits, no leading zero but
+/// for `0` itself. `nvme00` is not `nvme0`'s other spelling: a name the kernel never makes is
+/// no controller, or two entries would read as one instance (the fuzzer's `host_readers`
+/// found `nvme00` read as instance 0).
+fn is_number(s: &str) -> bool {
+    is_digits(s) && (s == "0" || !s.starts_with('0'))
 }
 
 fn is_digits(s: &str) -> bool {

@@ -59,11 +59,14 @@ fn two_volumes(root: &Path) -> FakeSysfs {
 
 #[test]
 fn names() {
-    for ok in ["nvme0", "nvme12"] {
+    for ok in ["nvme0", "nvme12", "nvme10"] {
         assert!(is_controller_name(ok), "{ok}");
     }
+    // The kernel prints numbers with `%d`: `nvme00` and `nvme01` are no controllers.
     for bad in [
         "nvme",
+        "nvme00",
+        "nvme01",
         "nvme0n1",
         "nvme-subsys0",
         "nvme-fabrics",
@@ -75,7 +78,16 @@ fn names() {
     for ok in ["nvme0n1", "nvme10n12"] {
         assert!(is_namespace_name(ok), "{ok}");
     }
-    for bad in ["nvme0c0n1", "nvme0n1p1", "nvme0n", "nvme0", "nvmen1", "sda"] {
+    for bad in [
+        "nvme0c0n1",
+        "nvme0n1p1",
+        "nvme0n",
+        "nvme0",
+        "nvmen1",
+        "sda",
+        "nvme0n01",
+        "nvme00n1",
+    ] {
         assert!(!is_namespace_name(bad), "{bad}");
     }
 }
