@@ -41,6 +41,7 @@ pub use exec::{
     verify_links,
 };
 pub use identity::{IdentityError, NamespaceIdentity, Nguid, Serial, derive_serial, parse_uuid};
+pub use model::{ADDR_TREQ, ADDR_TSAS, TREQ_REQUIRED, TSAS_TLS13};
 pub use model::{
     ExportSpec, HOSTS, HostAccess, NamespaceSpec, NamespaceState, ObserveError, PORTS, PortSpec,
     PortState, SubsystemState, TargetState, Transport, observe, observe_scope,
@@ -55,10 +56,7 @@ pub use plan::{
 };
 pub use rules::{Admitted, ConfigfsRules, Ruled};
 pub use target_model::TargetModel;
-pub use tls::{
-    ADDR_TREQ, ADDR_TSAS, TREQ_REQUIRED, TSAS_TLS13, TlsPsk, add_psk, nvme_keyring, psk_identity,
-    remove_psk,
-};
+pub use tls::{TlsPsk, add_psk, nvme_keyring, psk_identity, remove_psk};
 
 /// Where the kernel mounts the nvmet configfs tree.
 pub const KERNEL_NVMET_ROOT: &str = "/sys/kernel/config/nvmet";

@@ -36,6 +36,18 @@ pub const DHCHAP_HASH: &str = "dhchap_hash";
 /// Host-entry attribute: the Diffie-Hellman group, `null` or `ffdhe2048` ... `ffdhe8192`.
 pub const DHCHAP_DHGROUP: &str = "dhchap_dhgroup";
 
+// A port's TLS attributes, with the tree's layout for the same reason (`tls` derives its keys
+// from `auth`'s secrets, which plan with operations).
+
+/// A port's secure channel attribute (`addr_tsas`).
+pub const ADDR_TSAS: &str = "addr_tsas";
+/// A port's transport requirements attribute (`addr_treq`).
+pub const ADDR_TREQ: &str = "addr_treq";
+/// `addr_tsas` of a port that speaks TLS 1.3.
+pub const TSAS_TLS13: &str = "tls1.3";
+/// `addr_treq` of a port that refuses hosts without TLS.
+pub const TREQ_REQUIRED: &str = "required";
+
 /// Whether a write to `path` carries a secret (a host entry's key attributes).
 pub fn is_secret_attribute(path: &Path) -> bool {
     path.file_name()
@@ -99,8 +111,8 @@ impl PortSpec {
             ("addr_trsvcid", self.address.port().to_string()),
         ];
         if self.tls {
-            attrs.push((crate::tls::ADDR_TSAS, crate::tls::TSAS_TLS13.to_owned()));
-            attrs.push((crate::tls::ADDR_TREQ, crate::tls::TREQ_REQUIRED.to_owned()));
+            attrs.push((ADDR_TSAS, TSAS_TLS13.to_owned()));
+            attrs.push((ADDR_TREQ, TREQ_REQUIRED.to_owned()));
         }
         attrs
     }
@@ -229,8 +241,7 @@ impl PortState {
     /// Whether the port requires TLS 1.3: a port that speaks it but also takes plain hosts
     /// (`addr_treq` not `required`) does not.
     pub fn tls(&self) -> bool {
-        self.tsas.as_deref() == Some(crate::tls::TSAS_TLS13)
-            && self.treq.as_deref() == Some(crate::tls::TREQ_REQUIRED)
+        self.tsas.as_deref() == Some(TSAS_TLS13) && self.treq.as_deref() == Some(TREQ_REQUIRED)
     }
 }
 
@@ -489,8 +500,8 @@ fn observe_port_attributes(dir: &Path) -> Result<PortState, ObserveError> {
         adrfam: read_attr(&dir.join("addr_adrfam"))?,
         traddr: read_attr(&dir.join("addr_traddr"))?,
         trsvcid: read_attr(&dir.join("addr_trsvcid"))?,
-        tsas: read_optional_attr(&dir.join(crate::tls::ADDR_TSAS))?,
-        treq: read_optional_attr(&dir.join(crate::tls::ADDR_TREQ))?,
+        tsas: read_optional_attr(&dir.join(ADDR_TSAS))?,
+        treq: read_optional_attr(&dir.join(ADDR_TREQ))?,
         subsystems: BTreeSet::new(),
         referrals: list_dir(&dir.join("referrals"))
             .map(|r| r.len())

@@ -31,15 +31,6 @@ use sha2::{Digest, Sha256};
 use crate::auth::DhchapSecret;
 use crate::names::{HostNqn, SubsystemNqn};
 
-/// A port's secure channel attribute (`addr_tsas`).
-pub const ADDR_TSAS: &str = "addr_tsas";
-/// A port's transport requirements attribute (`addr_treq`).
-pub const ADDR_TREQ: &str = "addr_treq";
-/// `addr_tsas` of a port that speaks TLS 1.3.
-pub const TSAS_TLS13: &str = "tls1.3";
-/// `addr_treq` of a port that refuses hosts without TLS.
-pub const TREQ_REQUIRED: &str = "required";
-
 /// The label the PSK derivation starts with, so the key is never the secret's own MAC of
 /// anything DH-HMAC-CHAP computes.
 const DERIVATION_LABEL: &[u8] = b"pillar-csi.io nvme-tcp tls psk v1";

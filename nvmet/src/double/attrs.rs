@@ -25,8 +25,8 @@ use std::path::Path;
 use super::parse::{first_line, first_token, kernel_nguid, kernel_uuid, kstrtobool, kstrtou};
 use super::place::{Place, classify};
 use super::{ConfigfsDouble, errno};
+use crate::model::{ADDR_TREQ, ADDR_TSAS, TREQ_REQUIRED, TSAS_TLS13};
 use crate::model::{PORTS, SUBSYSTEMS};
-use crate::tls::{ADDR_TREQ, ADDR_TSAS, TREQ_REQUIRED, TSAS_TLS13};
 
 impl ConfigfsDouble {
     /// Whether the kernel takes `value` into the attribute `rel`, and the value it then shows.

@@ -130,7 +130,7 @@ impl ConfigfsDouble {
         }
         if self.tls_modelled() {
             // Shown empty until `addr_trtype` is written (no transport, no secure channel).
-            self.set(&path.join(crate::tls::ADDR_TSAS), "")?;
+            self.set(&path.join(crate::model::ADDR_TSAS), "")?;
         }
         Ok(())
     }
