@@ -267,15 +267,24 @@ async fn s15_dhchap() {
         fs::write(sys.join("dhchap_ctrl_secret"), rotated.ctrl.expose())
             .expect("host dhchap_ctrl_secret");
         fs::write(sys.join("dhchap_secret"), rotated.secret.expose()).expect("host dhchap_secret");
+        // The two host writes are two re-authentications: between them the host holds one
+        // new and one old secret, and that one may fail (seen on 7.2). The one after the
+        // second write must succeed, and nothing may fail after it. At least 3 s (both
+        // re-authentications have run by then on an idle machine), then waited for up to a
+        // minute: under TCG on a loaded machine the second one took longer.
         tokio::time::sleep(Duration::from_secs(3)).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let (failed, succeeded) = loop {
+            let failed = lab.kmsg.last_position(k1, &["authentication failed"]);
+            let succeeded = lab.kmsg.last_position(k1, &["authenticated with hash"]);
+            if (succeeded.is_some() && succeeded > failed) || std::time::Instant::now() > deadline {
+                break (failed, succeeded);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
         if let Some(line) = lab.kmsg.find(k1, &["auth"]) {
             println!("  kernel after the host's rotation: {line}");
         }
-        // The two host writes are two re-authentications: between them the host holds one
-        // new and one old secret, and that one may fail (seen on 7.2). The one after the
-        // second write must succeed, and nothing may fail after it.
-        let failed = lab.kmsg.last_position(k1, &["authentication failed"]);
-        let succeeded = lab.kmsg.last_position(k1, &["authenticated with hash"]);
         assert!(
             succeeded.is_some() && succeeded > failed,
             "re-authentication with the rotated secrets did not end authenticated \
