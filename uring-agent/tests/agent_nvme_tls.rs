@@ -229,3 +229,49 @@ async fn the_tls_probe_leaves_an_export_on_its_port_id_alone() {
         assert_eq!(port_attr(&configfs, "addr_tsas"), "tls1.3", "{engine:?}");
     }
 }
+
+/// A grant's PSK goes into the keyring only once the grant passed its fence: a delayed grant
+/// from before a revoke is refused and installs nothing (it used to install the key before the
+/// fence check refused it). proves F5, F6
+#[tokio::test]
+async fn a_stale_grant_installs_no_psk() {
+    for engine in ENGINES {
+        let mut a = Agent::start(engine).await;
+        a.serve_now().await;
+        let configfs = a.dirs.configfs();
+        a.client
+            .create_volume(create_req("u1", 1, "v1", 8 * MIB))
+            .await
+            .unwrap();
+        a.client.export(export("u1", 2, "v1")).await.unwrap();
+        let secret = DhchapSecret::generate().unwrap();
+        a.client
+            .grant_initiator(grant("u1", 3, "v1", &secret))
+            .await
+            .unwrap();
+        a.client
+            .revoke_initiator(api::RevokeInitiatorRequest {
+                token: token("u1", 4),
+                volume_id: "v1".into(),
+                host_nqn: host(1),
+            })
+            .await
+            .unwrap();
+        assert!(keyring(&configfs).is_empty(), "{engine:?}");
+        let stale = a
+            .client
+            .grant_initiator(grant("u1", 3, "v1", &secret))
+            .await
+            .expect_err("a grant older than the revoke is refused");
+        assert_eq!(
+            stale.code(),
+            Code::FailedPrecondition,
+            "{}",
+            stale.message()
+        );
+        assert!(
+            keyring(&configfs).is_empty(),
+            "the stale grant installed a PSK ({engine:?})"
+        );
+    }
+}

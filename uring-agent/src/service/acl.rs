@@ -49,10 +49,6 @@ impl Agent {
         }
         let creds: BTreeMap<HostNqn, HostAuth> =
             creds.map(|c| (host.clone(), c)).into_iter().collect();
-        if self.export_requires_tls(volume) {
-            // Before the ACL admits the host (its credentials are required above).
-            self.install_psks(volume, &creds)?;
-        }
         self.change_acl(token, volume, host, Intent::Grant, &creds)
             .await
     }
@@ -66,11 +62,12 @@ impl Agent {
     ) -> Result<(), AgentError> {
         self.ensure_not_lost().await?;
         self.change_acl(token, volume, host, Intent::Revoke, &BTreeMap::new())
-            .await?;
-        // After the cut: the host's live TLS sessions are gone with its controllers.
-        self.remove_psk(volume, host)
+            .await
     }
 
+    /// A fenced grant or revoke under the volume's lock. The TLS keys move under it too, after
+    /// the fence: a stale grant never installs a key, and a revoke's removal cannot take away
+    /// the key of a newer grant that ran between its cut and the removal.
     async fn change_acl(
         &self,
         token: Option<Token>,
@@ -82,6 +79,26 @@ impl Agent {
         let _lock = self.lock_volume(volume).await;
         let decision = self.check(volume, token.as_ref(), intent).await?;
         self.commit(volume, decision).await?;
+        if intent == Intent::Grant && self.export_requires_tls(volume) {
+            // Before the ACL admits the host: it finds its PSK as soon as it may connect.
+            self.install_psks(volume, creds)?;
+        }
+        self.apply_acl_change(volume, host, intent, creds).await?;
+        if intent == Intent::Revoke {
+            // After the cut: the host's live TLS sessions are gone with its controllers.
+            self.remove_psk(volume, host)?;
+        }
+        Ok(())
+    }
+
+    /// The ACL change and, for a revoke, the cut; called fenced, under the volume's lock.
+    async fn apply_acl_change(
+        &self,
+        volume: &VolumeId,
+        host: &HostNqn,
+        intent: Intent,
+        creds: &BTreeMap<HostNqn, HostAuth>,
+    ) -> Result<(), AgentError> {
         let nqn = volume.subsystem_nqn();
         let acl_only = intent == Intent::Revoke && self.settings.unsafe_revoke_acl_only;
         let ports = self.ports_of(volume);
