@@ -63,6 +63,20 @@ if (($# == 0)); then
 fi
 
 T_START=$EPOCHREALTIME
+# The console lines of one scenario (from its "=== scenario" line to its result line): around
+# its first panic (25 lines before, 10 after), or its last 40 lines when it did not panic.
+scenario_excerpt() {
+  local block
+  block=$(tr -d '\r' <"$1" | awk -v s="$2" '
+    index($0, "=== scenario " s " on kernel") { on = 1 }
+    on { print }
+    on && index($0, "KERNEL-LANE-RESULT scenario=" s " ") { exit }')
+  if grep -q 'panicked at' <<<"$block"; then
+    grep -m1 -B25 -A10 'panicked at' <<<"$block" | head -n 80
+  else
+    tail -n 40 <<<"$block"
+  fi
+}
 secs_since() { local d=$((${EPOCHREALTIME/./} - ${1/./})); printf '%d.%d' $((d / 1000000)) $(((d / 100000) % 10)); }
 
 cd "$PROJECT_DIR"
@@ -189,6 +203,7 @@ echo
 echo "== kernel lane summary"
 printf '%-10s %-24s %-44s %-8s %9s\n' kernel version scenario result seconds
 problems=()
+FAILED_SCENARIOS=()
 for k in "${KERNELS[@]}"; do
   kver=$(resolve_kernel "$k" || echo "?")
   declare -A COUNT=() RES=() SEC=()
@@ -214,7 +229,10 @@ for k in "${KERNELS[@]}"; do
     fi
     printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "$scen" "${RES[$scen]}" "${SEC[$scen]}"
     ((n == 1)) || problems+=("$k: $scen printed $n result lines")
-    [[ ${RES[$scen]} == PASS ]] || problems+=("$k: $scen result ${RES[$scen]}")
+    [[ ${RES[$scen]} == PASS ]] || {
+      problems+=("$k: $scen result ${RES[$scen]}")
+      FAILED_SCENARIOS+=("$k $scen")
+    }
   done
   for scen in "${!COUNT[@]}"; do
     [[ " ${EXPECTED[*]} " == *" $scen "* ]] || problems+=("$k: $scen reported a result but was not listed")
@@ -228,6 +246,14 @@ done
 echo "setup ${T_SETUP}, build ${T_BUILD}s, total $(secs_since "$T_START")s"
 [[ -z $BENCH_NOTE ]] || echo "$BENCH_NOTE"
 for k in "${KERNELS[@]}"; do echo "console log $k: ${LOGS[$k]}"; done
+# CI keeps only the tail of its output, and the console logs stay on the machine that ran it:
+# a failed scenario's panic and the steps before it are repeated here, at the end.
+for failed in "${FAILED_SCENARIOS[@]}"; do
+  read -r k scen <<<"$failed"
+  echo
+  echo "== why $scen failed on $k (from its console log)"
+  scenario_excerpt "${LOGS[$k]}" "$scen"
+done
 if ((${#problems[@]} > 0)); then
   printf '  %s\n' "${problems[@]}"
   echo "KERNEL LANE: FAILED"

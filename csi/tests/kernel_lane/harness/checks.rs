@@ -39,14 +39,23 @@ pub(crate) fn host_controllers(volume: &str, host: &HostNqn) -> Vec<pillar_host:
 }
 
 /// The one namespace disk of `volume` this host sees (waiting up to 10 s for it to appear after
-/// a connect), with the derived identity.
+/// a connect), with the derived identity. A sysfs read that fails while the listing runs (an
+/// earlier controller's entries going away as it is read) is printed and read again, as
+/// [`host_controllers`] does, until the deadline.
 pub(crate) fn host_device(volume: &str, host: &HostNqn) -> NamespaceDevice {
     let start = Instant::now();
     let mut devs = loop {
-        let devs = namespaces_for_host(&host_paths(), &nqn_of(volume), Some(host)).unwrap();
-        let ready = !devs.is_empty() && devs.iter().all(|d| d.dev_path.exists());
-        if ready || start.elapsed() > Duration::from_secs(10) {
-            break devs;
+        let listed = namespaces_for_host(&host_paths(), &nqn_of(volume), Some(host));
+        let timed_out = start.elapsed() > Duration::from_secs(10);
+        match listed {
+            Ok(devs) => {
+                let ready = !devs.is_empty() && devs.iter().all(|d| d.dev_path.exists());
+                if ready || timed_out {
+                    break devs;
+                }
+            }
+            Err(e) if !timed_out => println!("  listing namespaces of {volume}: {e} (retrying)"),
+            Err(e) => panic!("listing namespaces of {volume}: {e}"),
         }
         std::thread::sleep(Duration::from_millis(100));
     };
