@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Prepare the real-kernel test lane: host packages, two Debian kernels, their initramfs.
+# Prepare the real-kernel test lane: host packages, Debian kernels, their initramfs.
 #
 #   tests/kernel-lane/setup.sh
 #
 # Kernels (never installed on the host: apt-get download + dpkg -x + depmod -b):
 #   bookworm  linux-image-amd64 from the machine's own apt sources (Debian 12, 6.1)
 #   sid       linux-image-amd64 from Debian sid, through a private apt state folder
+#   trixie    linux-image-amd64 from Debian 13 (6.12), the same way; not in the default list
+#             (CI's time): KERNEL_LANE_KERNELS=trixie tests/kernel-lane/run.sh
 # Idempotent: with everything present a run only re-resolves the versions (a few seconds).
 #
 # Env:
 #   KERNEL_LANE_KERNELS   labels to prepare (default "bookworm sid")
-#   SID_LISTS_MAX_AGE_H   refresh the private sid package lists when older (default 24 hours)
+#   SID_LISTS_MAX_AGE_H   refresh a private suite's package lists when older (default 24 hours)
 #   KERNEL_LANE_STATE     state folder (default <cargo target dir>/kernel-lane)
 #   KERNEL_LANE_ZFS=0     do not prepare ZFS (scenario 13 then fails: nothing to test it on)
 #   KERNEL_LANE_ZFS_CACHE where the ZFS builds are kept (default ~/.cache/pillar/kernel-lane-zfs)
@@ -35,7 +37,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # guest's keyrings in its logs.
 HOST_PACKAGES=(qemu-system-x86 busybox-static kmod nvme-cli e2fsprogs xfsprogs util-linux iproute2 bc zstd xz-utils lvm2 thin-provisioning-tools make tcpdump keyutils)
 DEBS_DIR=$LANE_STATE/debs
-SID_DIR=$LANE_STATE/apt-sid
 SID_LISTS_MAX_AGE_H=${SID_LISTS_MAX_AGE_H:-24}
 read -r -a LABELS <<<"${KERNEL_LANE_KERNELS:-bookworm sid}"
 
@@ -78,44 +79,54 @@ APT_MACHINE=(
   -o "Dir::Cache::pkgcache=$LANE_STATE/apt-machine/pkgcache.bin"
   -o "Dir::Cache::srcpkgcache=$LANE_STATE/apt-machine/srcpkgcache.bin"
 )
-APT_SID=(
-  -o "Dir::Etc::SourceList=$SID_DIR/sources.list"
-  -o "Dir::Etc::SourceParts=-"
-  -o "Dir::State::Lists=$SID_DIR/lists"
-  -o "Dir::Cache=$SID_DIR/cache"
-  -o "Dir::Cache::pkgcache=pkgcache.bin"
-  -o "Dir::Cache::srcpkgcache=srcpkgcache.bin"
-)
+# Every other suite (sid, trixie) has a private state of its own, $LANE_STATE/apt-<suite>.
+suite_dir() { printf '%s/apt-%s\n' "$LANE_STATE" "$1"; }
+apt_suite_opts() {  # apt_suite_opts SUITE -> sets APT_OPTS to the suite's private state
+  local dir
+  dir=$(suite_dir "$1")
+  APT_OPTS=(
+    -o "Dir::Etc::SourceList=$dir/sources.list"
+    -o "Dir::Etc::SourceParts=-"
+    -o "Dir::State::Lists=$dir/lists"
+    -o "Dir::Cache=$dir/cache"
+    -o "Dir::Cache::pkgcache=pkgcache.bin"
+    -o "Dir::Cache::srcpkgcache=srcpkgcache.bin"
+  )
+}
 
 # machine_debian_uri, shared with scripts/build-images.sh.
 # shellcheck source=../../scripts/debian-mirror.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/debian-mirror.sh"
 
-prepare_sid_state() {
-  local uri age_min=$((SID_LISTS_MAX_AGE_H * 60))
-  mkdir -p "$SID_DIR/lists/partial" "$SID_DIR/cache/archives/partial"
+prepare_suite_state() {  # prepare_suite_state SUITE
+  local suite=$1 dir uri age_min=$((SID_LISTS_MAX_AGE_H * 60))
+  dir=$(suite_dir "$suite")
+  mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial"
   uri=$(machine_debian_uri)
-  printf 'deb %s sid main\n' "$uri" >"$SID_DIR/sources.list.new"
-  if cmp -s "$SID_DIR/sources.list.new" "$SID_DIR/sources.list"; then
-    rm "$SID_DIR/sources.list.new"
+  printf 'deb %s %s main\n' "$uri" "$suite" >"$dir/sources.list.new"
+  if cmp -s "$dir/sources.list.new" "$dir/sources.list"; then
+    rm "$dir/sources.list.new"
   else
-    mv "$SID_DIR/sources.list.new" "$SID_DIR/sources.list"
-    rm -f "$SID_DIR/updated"
+    mv "$dir/sources.list.new" "$dir/sources.list"
+    rm -f "$dir/updated"
   fi
-  if [[ ! -f $SID_DIR/updated ]] || [[ -n $(find "$SID_DIR/updated" -mmin +"$age_min") ]]; then
-    update_sid_lists
+  if [[ ! -f $dir/updated ]] || [[ -n $(find "$dir/updated" -mmin +"$age_min") ]]; then
+    update_suite_lists "$suite"
   fi
 }
 
-update_sid_lists() {
-  log "sid: apt-get update (private state)"
-  apt-get "${APT_SID[@]}" update -q >"$SID_DIR/update.log" 2>&1 || die "sid apt-get update failed (see $SID_DIR/update.log)"
-  touch "$SID_DIR/updated"
+update_suite_lists() {  # update_suite_lists SUITE
+  local dir
+  dir=$(suite_dir "$1")
+  log "$1: apt-get update (private state)"
+  apt_suite_opts "$1"
+  apt-get "${APT_OPTS[@]}" update -q >"$dir/update.log" 2>&1 || die "$1 apt-get update failed (see $dir/update.log)"
+  touch "$dir/updated"
 }
 
 update_lists() {  # update_lists CONTEXT
-  if [[ $1 == sid ]]; then
-    update_sid_lists
+  if [[ $1 != bookworm ]]; then
+    update_suite_lists "$1"
   else
     log "bookworm: apt-get update (machine's apt)"
     apt-get update -q >"$LANE_STATE/apt-update.log" 2>&1 || die "apt-get update failed (see $LANE_STATE/apt-update.log)"
@@ -123,7 +134,7 @@ update_lists() {  # update_lists CONTEXT
 }
 
 apt_opts() {  # apt_opts CONTEXT -> sets the global APT_OPTS array
-  if [[ $1 == sid ]]; then APT_OPTS=("${APT_SID[@]}"); else APT_OPTS=("${APT_MACHINE[@]}"); fi
+  if [[ $1 != bookworm ]]; then apt_suite_opts "$1"; else APT_OPTS=("${APT_MACHINE[@]}"); fi
 }
 
 # resolve_image CONTEXT -> concrete linux-image-<kver> package behind linux-image-amd64
@@ -301,6 +312,7 @@ prepare_zfs() {
 
 prepare_tlshd() {
   local ver pkgs dir wrapper
+  prepare_suite_state sid
   apt_opts sid
   ver=$(candidate_version sid ktls-utils)
   [[ -n $ver && $ver != "(none)" ]] || die "tlshd: sid has no ktls-utils"
@@ -407,8 +419,8 @@ prepare_kernel() {
   local label=$1 ctx=$1 image kver parts attempt
   case $label in
     bookworm) ;;
-    sid) prepare_sid_state ;;
-    *) die "unknown kernel label '$label' (known: bookworm sid)" ;;
+    sid | trixie) prepare_suite_state "$label" ;;
+    *) die "unknown kernel label '$label' (known: bookworm sid trixie)" ;;
   esac
   for attempt in 1 2; do
     if image=$(resolve_image "$ctx"); then
@@ -473,7 +485,8 @@ main() {
       prepare_zfs "$label"
     done
   fi
-  if [[ " ${LABELS[*]} " == *" sid "* ]]; then
+  # Every kernel newer than bookworm's has TLS for NVMe/TCP: s16 needs tlshd there.
+  if [[ " ${LABELS[*]} " == *" sid "* || " ${LABELS[*]} " == *" trixie "* ]]; then
     prepare_tlshd
   fi
   prune_stale
