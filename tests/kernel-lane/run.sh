@@ -147,11 +147,6 @@ declare -A RC VM_TIME LOGS NOT_RUN
 ONCE_SCENARIOS=(s14_control_skipped_fsync_caught)
 LAST_KERNEL=${KERNELS[${#KERNELS[@]} - 1]}
 VM_PASS_ENV="$VM_PASS_ENV PILLAR_LANE_ZFS_USERLAND PILLAR_LANE_TLSHD"
-# tlshd (s16): unpacked from sid by setup.sh; without it s16 fails on a kernel with TLS.
-if [[ -f $LANE_STATE/tlshd.ready ]]; then
-  export PILLAR_LANE_TLSHD
-  PILLAR_LANE_TLSHD=$(cat "$LANE_STATE/tlshd.ready")/tlshd
-fi
 for k in "${KERNELS[@]}"; do
   log "=== kernel $k"
   logfile=$LANE_STATE/logs/pillar-$k-$(date +%Y%m%d-%H%M%S).log
@@ -160,6 +155,13 @@ for k in "${KERNELS[@]}"; do
   # ZFS release does not support the kernel; with neither, s13 runs and fails (nothing to test).
   kdir=$(kernel_dir "$(resolve_kernel "$k" || echo none)")
   extra=()
+  # tlshd (s16): the kernel's own suite's, unpacked by setup.sh; without it s16 fails on a
+  # kernel with TLS.
+  unset PILLAR_LANE_TLSHD
+  if [[ -f $LANE_STATE/tlshd-$k.ready ]]; then
+    export PILLAR_LANE_TLSHD
+    PILLAR_LANE_TLSHD=$(cat "$LANE_STATE/tlshd-$k.ready")/tlshd
+  fi
   unset PILLAR_LANE_ZFS_USERLAND
   if [[ -f $kdir/zfs.ready ]]; then
     export PILLAR_LANE_ZFS_USERLAND=$ZFS_DIR/userland-$(cat "$kdir/zfs.ready")

@@ -305,32 +305,35 @@ prepare_zfs() {
 
 # ---------------------------------------------------------------- tlshd (s16)
 # The TLS handshake of NVMe/TCP is done by tlshd (ktls-utils), which Debian has from trixie on;
-# the host's userland is bookworm's. Its package and what it depends on come from the private
-# sid state, unpacked (never installed) to $LANE_STATE/tlshd-<version>/root, and the guest runs
-# it with sid's own loader and libraries from there (`tlshd` in that folder: a wrapper).
-# $LANE_STATE/tlshd.ready names the folder.
+# the host's userland is bookworm's. Each kernel with TLS gets the tlshd of its own suite: a
+# newer tlshd can need what an older kernel lacks (ktls-utils 1.4.0 from sid fails every
+# handshake on trixie's 6.12: its setsockopt TLS_TX_MAX_PAYLOAD_LEN is "Protocol not
+# available" there). The package and what it depends on come from the suite's private state,
+# unpacked (never installed) to $LANE_STATE/tlshd-<suite>-<version>/root, and the guest runs it
+# with the suite's own loader and libraries from there (`tlshd` in that folder: a wrapper).
+# $LANE_STATE/tlshd-<suite>.ready names the folder; run.sh passes the kernel's own.
 
-prepare_tlshd() {
-  local ver pkgs dir wrapper
-  prepare_suite_state sid
-  apt_opts sid
-  ver=$(candidate_version sid ktls-utils)
-  [[ -n $ver && $ver != "(none)" ]] || die "tlshd: sid has no ktls-utils"
-  dir=$LANE_STATE/tlshd-$ver
+prepare_tlshd() {  # prepare_tlshd SUITE
+  local suite=$1 ver pkgs dir wrapper
+  prepare_suite_state "$suite"
+  apt_opts "$suite"
+  ver=$(candidate_version "$suite" ktls-utils)
+  [[ -n $ver && $ver != "(none)" ]] || die "tlshd: $suite has no ktls-utils"
+  dir=$LANE_STATE/tlshd-$suite-$ver
   if [[ -x $dir/tlshd ]]; then
-    printf '%s\n' "$dir" >"$LANE_STATE/tlshd.ready"
-    log "tlshd: ktls-utils $ver (unpacked)"
+    printf '%s\n' "$dir" >"$LANE_STATE/tlshd-$suite.ready"
+    log "tlshd: ktls-utils $ver from $suite (unpacked)"
     return 0
   fi
   # The Depends closure, without recommendations and without virtual packages.
   mapfile -t pkgs < <(apt-cache "${APT_OPTS[@]}" depends --recurse --no-recommends --no-suggests \
     --no-conflicts --no-breaks --no-replaces --no-enhances ktls-utils 2>/dev/null |
     awk '!/^ / && !/^</' | sort -u)
-  ((${#pkgs[@]} > 0)) || die "tlshd: cannot resolve what ktls-utils depends on in sid"
-  log "tlshd: ktls-utils $ver and ${#pkgs[@]} packages from sid"
+  ((${#pkgs[@]} > 0)) || die "tlshd: cannot resolve what ktls-utils depends on in $suite"
+  log "tlshd: ktls-utils $ver and ${#pkgs[@]} packages from $suite"
   rm -rf "$dir.partial" && mkdir -p "$dir.partial/debs" "$dir.partial/root"
   (cd "$dir.partial/debs" && apt-get "${APT_OPTS[@]}" download -q "${pkgs[@]}" >/dev/null 2>&1) ||
-    die "tlshd: download from sid failed"
+    die "tlshd: download from $suite failed"
   local deb
   for deb in "$dir.partial"/debs/*.deb; do
     dpkg -x "$deb" "$dir.partial/root"
@@ -339,15 +342,15 @@ prepare_tlshd() {
   wrapper=$dir.partial/tlshd
   cat >"$wrapper" <<WRAPPER
 #!/bin/sh
-# tlshd from Debian sid on another userland: sid's loader and libraries (setup.sh).
+# tlshd from Debian $suite on another userland: $suite's loader and libraries (setup.sh).
 root=\$(dirname "\$0")/root
 lib=\$root/usr/lib/x86_64-linux-gnu
 exec "\$lib/ld-linux-x86-64.so.2" --library-path "\$lib" "\$root/usr/sbin/tlshd" "\$@"
 WRAPPER
   chmod +x "$wrapper"
-  "$wrapper" --version >/dev/null 2>&1 || die "tlshd: the unpacked tlshd does not run here"
+  "$wrapper" --version >/dev/null 2>&1 || die "tlshd: the unpacked tlshd from $suite does not run here"
   mv "$dir.partial" "$dir"
-  printf '%s\n' "$dir" >"$LANE_STATE/tlshd.ready"
+  printf '%s\n' "$dir" >"$LANE_STATE/tlshd-$suite.ready"
 }
 
 # ---------------------------------------------------------------- kernel trees
@@ -485,10 +488,10 @@ main() {
       prepare_zfs "$label"
     done
   fi
-  # Every kernel newer than bookworm's has TLS for NVMe/TCP: s16 needs tlshd there.
-  if [[ " ${LABELS[*]} " == *" sid "* || " ${LABELS[*]} " == *" trixie "* ]]; then
-    prepare_tlshd
-  fi
+  # Every kernel newer than bookworm's has TLS for NVMe/TCP: s16 needs its tlshd there.
+  for label in "${LABELS[@]}"; do
+    [[ $label == bookworm ]] || prepare_tlshd "$label"
+  done
   prune_stale
   for label in "${RESOLVED[@]}"; do
     log "kernel $label"

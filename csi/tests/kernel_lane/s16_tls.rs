@@ -42,6 +42,27 @@ fn kernel_has_tls() -> bool {
     has && pillar_nvmet::nvme_keyring().ok().flatten().is_some()
 }
 
+/// The key serial a host controller's TLS connection uses (sysfs `tls_key`, `%08x`).
+fn controller_tls_key(controller: &str) -> String {
+    let dir = Path::new("/sys/class/nvme").join(controller);
+    let serial = fs::read_to_string(dir.join("tls_key")).unwrap_or_else(|e| {
+        let attrs: Vec<String> = fs::read_dir(&dir)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        panic!("no TLS in the target's log and no tls_key on {controller} ({e}): {attrs:?}")
+    });
+    let serial = serial.trim().to_owned();
+    assert!(
+        serial.len() == 8 && serial.chars().all(|c| c.is_ascii_hexdigit()) && serial != "00000000",
+        "tls_key of {controller}: {serial:?}"
+    );
+    serial
+}
+
 fn connect(
     vol: &str,
     host: &HostNqn,
@@ -127,7 +148,7 @@ impl Capture {
 }
 
 /// Scenario 16, the agent alone with its own tokens. Where the kernel has TLS for NVMe/TCP
-/// (7.2, with sid's tlshd running): the export's port is `tls1.3`/`required`; the grant puts
+/// (6.12 and 7.2, each with its own suite's tlshd running): the export's port is `tls1.3`/`required`; the grant puts
 /// the host's PSK (derived from its DH-HMAC-CHAP secret) in the `.nvme` keyring; the node's NQN
 /// with its secret but without TLS is refused; the node with its PSK connects over TLS and does
 /// I/O; a capture of port 4420 shows the plain attempt's ICReq in clear (the capture sees plain
@@ -279,12 +300,31 @@ async fn s16_tls() {
     });
     let dev = host_device(vol, &host);
     write_read(&dev.dev_path, 16);
-    // The target's own word that the controller runs over TLS.
-    let line = lab
+    // The kernel's own word that the controller runs over TLS: the target's log says so from
+    // 7.x on (", TLS."); 6.12's target logs the controller without it, and its host then shows
+    // the key the controller's connection took (sysfs `tls_key`: one of the PSKs of this
+    // identity in /proc/keys).
+    match lab
         .kmsg
         .find(k0, &["Created nvm controller", host.as_str(), ", TLS."])
-        .expect("nvmet logs the controller as TLS");
-    println!("  kernel: {line}");
+    {
+        Some(line) => println!("  kernel: {line}"),
+        None => {
+            let serial = controller_tls_key(&c.name);
+            println!(
+                "  kernel: no TLS in the target's log; host {}: tls_key {serial}",
+                c.name
+            );
+            let keys = fs::read_to_string("/proc/keys").unwrap();
+            assert!(
+                keys.lines().any(|l| l.starts_with(&serial)
+                    && l.contains(" psk ")
+                    && l.contains(psk.identity())),
+                "the controller's tls_key {serial} is a PSK of {}: {keys}",
+                psk.identity()
+            );
+        }
+    }
     delete_host_controllers(vol, &host);
     let pcap = capture.stop();
     sc.step(&format!(
