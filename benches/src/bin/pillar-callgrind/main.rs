@@ -25,6 +25,7 @@
 
 #![allow(clippy::print_stdout)] // a benchmark reports on stdout
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -276,6 +277,7 @@ struct CallCounts {
 struct PerCall {
     layers: Vec<f64>,
     top: Vec<(String, i64)>,
+    top_own: Vec<(String, i64)>,
     total: f64,
 }
 
@@ -290,10 +292,26 @@ impl PerCall {
             .collect();
         Self {
             layers,
-            top: top_functions(big, small, n),
+            top: per_call(&big.inclusive(), &small.inclusive(), n),
+            top_own: per_call(&big.own(), &small.own(), n),
             total: (big.total as f64 - small.total as f64) / n as f64,
         }
     }
+}
+
+/// glibc's allocator and Rust's shims over it.
+fn is_allocator(name: &str) -> bool {
+    matches!(
+        name,
+        "malloc" | "free" | "realloc" | "calloc" | "malloc_consolidate" | "cfree"
+    ) || name.starts_with("_int_")
+        || name.starts_with("unlink_chunk")
+        || name.starts_with("__rustc::__rdl_")
+        || name.starts_with("__rustc::__rust_")
+        || name.starts_with("__rdl_")
+        || name.starts_with("__rust_alloc")
+        || name.starts_with("__rust_dealloc")
+        || name.starts_with("__rust_realloc")
 }
 
 fn layer_rows(p: &Profile) -> Vec<f64> {
@@ -418,14 +436,12 @@ fn count_marks(places: &Places, n: usize) -> anyhow::Result<f64> {
     Ok((big.total as f64 - small.total as f64) / n as f64)
 }
 
-/// Per-function inclusive counts of one call: (big - small) / n, largest first.
-fn top_functions(big: &Profile, small: &Profile, n: usize) -> Vec<(String, i64)> {
-    let before = small.inclusive();
+/// Per-function counts of one call: (big - small) / n, largest first.
+fn per_call(big: &HashMap<&str, u64>, small: &HashMap<&str, u64>, n: usize) -> Vec<(String, i64)> {
     let mut out: Vec<(String, i64)> = big
-        .inclusive()
-        .into_iter()
-        .map(|(name, ir)| {
-            let was = before.get(name).copied().unwrap_or(0);
+        .iter()
+        .map(|(&name, &ir)| {
+            let was = small.get(name).copied().unwrap_or(0);
             #[allow(clippy::cast_possible_wrap, clippy::cast_possible_truncation)]
             let per = (ir as i64 - was as i64) / n as i64;
             (name.to_owned(), per)
@@ -473,6 +489,22 @@ fn print_layers(calls: &CallCounts, mark: f64, n: usize, out: &mut Vec<serde_jso
         "grant_ir": g.total, "revoke_ir": r.total, "mark_update_ir": mark,
         "grant_over_mark": g.total / mark, "revoke_over_mark": r.total / mark}));
     for (what, per) in [("grant", g), ("revoke", r)] {
+        #[allow(clippy::cast_precision_loss)]
+        let alloc = per
+            .top_own
+            .iter()
+            .filter(|(name, _)| is_allocator(name))
+            .map(|(_, ir)| *ir as f64)
+            .sum::<f64>();
+        println!(
+            "\nper {what}, the memory allocator's own instructions (malloc, free, realloc, their internals): {alloc:.0} ({:.0}% of the call)",
+            100.0 * alloc / per.total
+        );
+        out.push(json!({"section": "callgrind", "call": what, "allocator_ir": alloc.round()}));
+        println!("top functions per {what} (own instructions)");
+        for (name, ir) in per.top_own.iter().take(30) {
+            println!("{ir:>12} {name}");
+        }
         println!("\ntop functions per {what} (inclusive)");
         for (name, ir) in per.top.iter().take(60) {
             println!("{ir:>12} {name}");

@@ -110,6 +110,15 @@ impl Profile {
         self.own.iter().sum()
     }
 
+    /// Each function's own count (its instructions, not its calls').
+    pub fn own(&self) -> HashMap<&str, u64> {
+        self.names
+            .iter()
+            .map(String::as_str)
+            .zip(self.own.iter().copied())
+            .collect()
+    }
+
     /// Each function's inclusive count: what its callers' calls to it cost, or for a function
     /// nobody calls (a thread's start), its own count and its calls'.
     pub fn inclusive(&self) -> HashMap<&str, u64> {
@@ -327,6 +336,7 @@ fn=(4)
     fn inclusive_counts_merge_a_name_and_start_at_uncalled_functions() {
         let p = Profile::parse(DUMP).unwrap();
         let inc = p.inclusive();
+        assert_eq!(p.own()["app::plan"], 200);
         assert_eq!(inc["main"], 100 + 500 + 150 + 50);
         assert_eq!(inc["app::plan"], 500);
         assert_eq!(inc["app::write"], 250);
