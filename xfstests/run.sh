@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pillar's xfstests harness (host side):
 #
-#   XFSTESTS_DIR=/path/to/built/xfstests xfstests/run.sh [quick|long] [bookworm|sid]
+#   XFSTESTS_DIR=/path/to/built/xfstests xfstests/run.sh [quick|long] [bookworm|sid|trixie]
 #
 # Runs a curated list of xfstests' generic tests on two pillar volumes (TEST_DEV and SCRATCH_DEV)
 # attached over NVMe/TCP inside a kernel-lane VM, and compares the per-test results with
