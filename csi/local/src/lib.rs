@@ -6,6 +6,13 @@
 //! on the configfs test double, with the node using the local loop device: that is named in
 //! every line it prints, never passed off as NVMe/TCP.
 //!
+//! Authentication. The protocol it records says `auth: none`: the host and the target are this
+//! one machine, meeting on 127.0.0.1 (the port listens there only), so DH-HMAC-CHAP would prove
+//! nothing about a network no other host is on; and the node-stage secret a kubelet hands the
+//! node plugin from the PV's Secret has no kubelet here to carry it. The controller shows it as
+//! on every `auth: none` protocol (each published volume's `AuthDisabled` condition and a
+//! warning), and the banner says it.
+//!
 //! This is the one crate that links the agent (`pillar-agent`) with the CSI plugin: the
 //! controller and node plugin themselves reach agents only through `pillar-agent-api`.
 
@@ -20,7 +27,7 @@ use pillar_agent::{PoolConfig, PoolKind};
 use pillar_host::HostPaths;
 use pillar_nvmet::HostNqn;
 use pillar_state::EmbeddedStore;
-use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef};
+use pillar_state::crd::{NvmeTcp, PillarAgentSpec, PillarProtocolSpec, PoolRef, ProtocolAuth};
 use pillar_state::store::StateStore;
 
 use pillar_csi::node::{AttachMode, NodeConfig};
@@ -245,20 +252,37 @@ async fn seed_records(store: &dyn StateStore, agent_socket: &Path) -> Result<(),
         }
         Some(_) => {}
     }
-    if store.get_protocol("nvme-tcp").await?.is_none() {
-        store
-            .create_protocol(
-                "nvme-tcp",
-                PillarProtocolSpec {
-                    nvme_tcp: NvmeTcp {
-                        acl: true,
-                        ..NvmeTcp::default()
-                    },
-                },
-            )
-            .await?;
+    // An earlier run's record with another spec (before `auth: none`, runs recorded the
+    // default, DH-HMAC-CHAP, which no kubelet here can carry a secret for) is replaced.
+    let protocol_spec = local_protocol();
+    match store.get_protocol("nvme-tcp").await? {
+        None => {
+            store.create_protocol("nvme-tcp", protocol_spec).await?;
+        }
+        Some(existing) if existing.spec != protocol_spec => {
+            store
+                .replace_protocol_spec(
+                    "nvme-tcp",
+                    &pillar_state::Revision::of(&existing)?,
+                    protocol_spec,
+                )
+                .await?;
+        }
+        Some(_) => {}
     }
     Ok(())
+}
+
+/// The single-machine mode's protocol: the ACL on (a revoke still keeps the host out),
+/// authentication off (see the module's doc).
+pub fn local_protocol() -> PillarProtocolSpec {
+    PillarProtocolSpec {
+        nvme_tcp: NvmeTcp {
+            acl: true,
+            auth: ProtocolAuth::None,
+            ..NvmeTcp::default()
+        },
+    }
 }
 
 async fn wait_for_socket(path: &Path) {

@@ -20,10 +20,56 @@ fn the_main_job_runs_through_the_binary_and_names_the_double() {
     assert!(stdout.contains("configfs TEST DOUBLE"), "{stdout}");
     assert!(stdout.contains("NodeStageVolume (mkfs, mount)"), "{stdout}");
     assert!(stdout.contains("main job: OK"), "{stdout}");
+    assert!(stdout.contains("auth:       none"), "{stdout}");
     // Nothing is left mounted or attached under the directory.
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(
         !mounts.contains(&dir.path().display().to_string()),
         "a mount was left behind"
     );
+}
+
+/// A store an earlier run left with the default protocol (DH-HMAC-CHAP, for which no kubelet
+/// here carries a node-stage secret: on a real kernel every stage was refused) gets the
+/// single-machine protocol, `auth: none`, and the main job runs.
+#[test]
+fn an_earlier_runs_dhchap_protocol_is_replaced_by_auth_none() {
+    use pillar_state::EmbeddedStore;
+    use pillar_state::crd::{NvmeTcp, PillarProtocolSpec, ProtocolAuth};
+    use pillar_state::store::StateStore;
+
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store_dir = dir.path().join("store");
+    std::fs::create_dir_all(&store_dir).unwrap();
+    rt.block_on(async {
+        let store = EmbeddedStore::open(&store_dir).await.unwrap();
+        let earlier = PillarProtocolSpec {
+            nvme_tcp: NvmeTcp {
+                acl: true,
+                ..NvmeTcp::default()
+            },
+        };
+        assert_eq!(earlier.nvme_tcp.auth, ProtocolAuth::Dhchap);
+        store.create_protocol("nvme-tcp", earlier).await.unwrap();
+    });
+    let out = Command::new(env!("CARGO_BIN_EXE_pillar-local"))
+        .arg("--dir")
+        .arg(dir.path())
+        .args(["--test-double", "--demo", "--engine", "sync"])
+        .output()
+        .expect("pillar-local runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    rt.block_on(async {
+        let store = EmbeddedStore::open(&store_dir).await.unwrap();
+        let now = store.get_protocol("nvme-tcp").await.unwrap().unwrap();
+        assert_eq!(now.spec, pillar_local::local_protocol());
+        assert_eq!(now.spec.nvme_tcp.auth, ProtocolAuth::None);
+        assert!(now.spec.nvme_tcp.acl, "the ACL stays on");
+    });
 }

@@ -68,6 +68,9 @@ async fn main() -> anyhow::Result<()> {
             "              no NVMe/TCP connection is made: the node plugin uses the local loop device"
         );
     }
+    println!(
+        "  auth:       none - host and target are this machine, on 127.0.0.1 (no DH-HMAC-CHAP)"
+    );
     println!("  agent:      unix://{}", sockets.agent.display());
     println!("  controller: unix://{}", sockets.controller.display());
     println!("  node:       unix://{}", sockets.node.display());
