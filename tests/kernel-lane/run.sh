@@ -71,7 +71,10 @@ scenario_excerpt() {
     index($0, "=== scenario " s " on kernel") { on = 1 }
     on { print }
     on && index($0, "KERNEL-LANE-RESULT scenario=" s " ") { exit }')
-  if grep -q 'panicked at' <<<"$block"; then
+  if [[ -z $block ]]; then
+    echo "(it printed nothing: it never started; the console's last lines:)"
+    tr -d '\r' <"$1" | tail -n 20
+  elif grep -q 'panicked at' <<<"$block"; then
     grep -m1 -B25 -A10 'panicked at' <<<"$block" | head -n 80
   else
     tail -n 40 <<<"$block"
@@ -227,6 +230,7 @@ for k in "${KERNELS[@]}"; do
     if ((n == 0)); then
       printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "$scen" "MISSING" "-"
       problems+=("$k: $scen printed no result line")
+      FAILED_SCENARIOS+=("$k $scen")
       continue
     fi
     printf '%-10s %-24s %-44s %-8s %9s\n' "$k" "$kver" "$scen" "${RES[$scen]}" "${SEC[$scen]}"

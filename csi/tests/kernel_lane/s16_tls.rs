@@ -148,9 +148,9 @@ impl Capture {
 }
 
 /// Scenario 16, the agent alone with its own tokens. Where the kernel has TLS for NVMe/TCP
-/// (6.12 and 7.2, each with its own suite's tlshd running): the export's port is `tls1.3`/`required`; the grant puts
-/// the host's PSK (derived from its DH-HMAC-CHAP secret) in the `.nvme` keyring; the node's NQN
-/// with its secret but without TLS is refused; the node with its PSK connects over TLS and does
+/// (6.12 and 7.2, each with its own suite's tlshd running): the export's port is
+/// `tls1.3`/`required`; the grant puts the host's PSK (derived from its DH-HMAC-CHAP secret) in
+/// the `.nvme` keyring; the node's NQN with its secret but without TLS is refused; the node with its PSK connects over TLS and does
 /// I/O; a capture of port 4420 shows the plain attempt's ICReq in clear (the capture sees plain
 /// NVMe/TCP) and every byte of the TLS connections in TLS records, none in clear; the revoke
 /// takes the PSK away. Where it has not (6.1): the export that requires TLS is refused

@@ -6,8 +6,9 @@
 //! - calls: the agent's real gRPC server (`pillar_agent::serve_with_limits`: the bounds, the
 //!   accept loop and the authority rewriter of every unix-socket connection, tracing at `info`
 //!   as the binary logs) runs as `pillar-callgrind agent` under callgrind: the synchronous
-//!   engine (valgrind 3.19 hangs in the io_uring engine's `io_uring_enter`), marks on DIR, the configfs double and a plain-file pool on tmpfs, an anchor volume keeping
-//!   host 1's entry in use. This process is the client, outside valgrind. After a warm-up it
+//!   engine (valgrind 3.19 hangs in the io_uring engine's `io_uring_enter`), marks on DIR, the
+//!   configfs double and a plain-file pool on tmpfs, an anchor volume keeping host 1's entry
+//!   in use. This process is the client, outside valgrind. After a warm-up it
 //!   grants host 1 on N volumes, revokes it on them, then does the same on 2N volumes; a
 //!   GetCapabilities call between the phases makes callgrind dump and zero its counts
 //!   (`--dump-before` its handler), so every window holds its calls and one marker call's
@@ -185,7 +186,7 @@ fn callgrind_window() {
     std::hint::black_box(());
 }
 
-/// Mark updates on one volume through the io_uring engine, `calls` then `2 * calls`, each
+/// Mark updates on one volume through the synchronous engine, `calls` then `2 * calls`, each
 /// window closed by [`callgrind_window`].
 async fn mark_mode(dir: &Path, calls: usize) -> anyhow::Result<()> {
     use pillar_agent::engine::Engine;
