@@ -3,20 +3,27 @@
 //! data, stats, teardown) through the real CSI sockets, and says it runs on the double.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::path::Path;
 use std::process::Command;
+
+/// `pillar-local --demo` on the test double in `dir`; fails unless it succeeds. Its stdout.
+fn run_demo(dir: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_pillar-local"))
+        .arg("--dir")
+        .arg(dir)
+        .args(["--test-double", "--demo", "--engine", "sync"])
+        .output()
+        .expect("pillar-local runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    stdout
+}
 
 #[test]
 fn the_main_job_runs_through_the_binary_and_names_the_double() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_pillar-local"))
-        .arg("--dir")
-        .arg(dir.path())
-        .args(["--test-double", "--demo", "--engine", "sync"])
-        .output()
-        .expect("pillar-local runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let stdout = run_demo(dir.path());
     assert!(stdout.contains("configfs TEST DOUBLE"), "{stdout}");
     assert!(stdout.contains("NodeStageVolume (mkfs, mount)"), "{stdout}");
     assert!(stdout.contains("main job: OK"), "{stdout}");
@@ -53,18 +60,8 @@ fn an_earlier_runs_dhchap_protocol_is_replaced_by_auth_none() {
         assert_eq!(earlier.nvme_tcp.auth, ProtocolAuth::Dhchap);
         store.create_protocol("nvme-tcp", earlier).await.unwrap();
     });
-    let out = Command::new(env!("CARGO_BIN_EXE_pillar-local"))
-        .arg("--dir")
-        .arg(dir.path())
-        .args(["--test-double", "--demo", "--engine", "sync"])
-        .output()
-        .expect("pillar-local runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_demo(dir.path());
+    assert!(stdout.contains("main job: OK"), "{stdout}");
     rt.block_on(async {
         let store = EmbeddedStore::open(&store_dir).await.unwrap();
         let now = store.get_protocol("nvme-tcp").await.unwrap().unwrap();
