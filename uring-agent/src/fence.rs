@@ -215,28 +215,43 @@ pub enum MarkError {
 }
 
 /// The on-disk form: the mark plus a checksum over its canonical JSON.
-#[derive(Serialize, Deserialize)]
+#[derive(Deserialize)]
 struct MarkFile {
     format: u32,
     mark: Mark,
     sha256: String,
 }
 
+/// [`MarkFile`] as written, borrowing the mark (the same fields in the same order, so the same
+/// bytes: `a_marks_bytes_on_disk_are_fixed`).
+#[derive(Serialize)]
+struct MarkFileOut<'a> {
+    format: u32,
+    mark: &'a Mark,
+    sha256: String,
+}
+
 const FORMAT: u32 = 1;
 
+/// SHA-256 of the mark's compact JSON in lowercase hex, built in one string (every fenced call
+/// checks one on read and makes one on write).
 fn checksum(mark: &Mark) -> Result<String, serde_json::Error> {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let body = serde_json::to_vec(mark)?;
-    Ok(Sha256::digest(&body)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    let digest = Sha256::digest(&body);
+    let mut hex = String::with_capacity(2 * digest.len());
+    for byte in digest {
+        hex.push(char::from(HEX[usize::from(byte >> 4)]));
+        hex.push(char::from(HEX[usize::from(byte & 0x0f)]));
+    }
+    Ok(hex)
 }
 
 /// Serialises a mark for disk.
 pub fn encode(mark: &Mark) -> Result<Vec<u8>, serde_json::Error> {
-    let file = MarkFile {
+    let file = MarkFileOut {
         format: FORMAT,
-        mark: mark.clone(),
+        mark,
         sha256: checksum(mark)?,
     };
     let mut out = serde_json::to_vec_pretty(&file)?;
@@ -552,6 +567,28 @@ mod tests {
             Some(&mark("a", 3, false, &[])),
             &mark("b", 1, false, &["a"])
         ));
+    }
+
+    /// The on-disk bytes of a mark, fixed: a mark written by any build of the agent is read by
+    /// every later one (the checksum is SHA-256 of the mark's compact JSON, in lowercase hex).
+    #[test]
+    fn a_marks_bytes_on_disk_are_fixed() {
+        let m = Mark {
+            volume: "pvc-1".into(),
+            owner_uid: "uid-a".into(),
+            generation: 5,
+            ended: false,
+            retired_uids: vec!["z".into(), "y".into()],
+        };
+        let golden = "{\n  \"format\": 1,\n  \"mark\": {\n    \"volume\": \"pvc-1\",\n    \
+                      \"owner_uid\": \"uid-a\",\n    \"generation\": 5,\n    \"ended\": false,\n    \
+                      \"retired_uids\": [\n      \"z\",\n      \"y\"\n    ]\n  },\n  \"sha256\": \
+                      \"d22f839972152f0aacb72aa23089a9625e1908ef919ec15fd3fb31847dce2226\"\n}\n";
+        assert_eq!(String::from_utf8(encode(&m).unwrap()).unwrap(), golden);
+        assert_eq!(
+            decode(&VolumeId::parse("pvc-1").unwrap(), golden.as_bytes()).unwrap(),
+            m
+        );
     }
 
     #[test]
