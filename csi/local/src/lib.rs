@@ -252,20 +252,17 @@ async fn seed_records(store: &dyn StateStore, agent_socket: &Path) -> Result<(),
         }
         Some(_) => {}
     }
-    // An earlier run's record with another spec (before `auth: none`, runs recorded the
-    // default, DH-HMAC-CHAP, which no kubelet here can carry a secret for) is replaced.
-    let protocol_spec = local_protocol();
+    // An earlier run's record keeps what it says but authentication: before `auth: none`, runs
+    // recorded the default, DH-HMAC-CHAP, which no kubelet here can carry a secret for.
     match store.get_protocol("nvme-tcp").await? {
         None => {
-            store.create_protocol("nvme-tcp", protocol_spec).await?;
+            store.create_protocol("nvme-tcp", local_protocol()).await?;
         }
-        Some(existing) if existing.spec != protocol_spec => {
+        Some(existing) if existing.spec.nvme_tcp.auth != ProtocolAuth::None => {
+            let mut spec = existing.spec.clone();
+            spec.nvme_tcp.auth = ProtocolAuth::None;
             store
-                .replace_protocol_spec(
-                    "nvme-tcp",
-                    &pillar_state::Revision::of(&existing)?,
-                    protocol_spec,
-                )
+                .replace_protocol_spec("nvme-tcp", &pillar_state::Revision::of(&existing)?, spec)
                 .await?;
         }
         Some(_) => {}

@@ -37,8 +37,9 @@ fn the_main_job_runs_through_the_binary_and_names_the_double() {
 }
 
 /// A store an earlier run left with the default protocol (DH-HMAC-CHAP, for which no kubelet
-/// here carries a node-stage secret: on a real kernel every stage was refused) gets the
-/// single-machine protocol, `auth: none`, and the main job runs.
+/// here carries a node-stage secret: on a real kernel every stage was refused) gets `auth:
+/// none`, keeping the rest of what it says (here a `ctrl_loss_tmo` of its own), and the main
+/// job runs.
 #[test]
 fn an_earlier_runs_dhchap_protocol_is_replaced_by_auth_none() {
     use pillar_state::EmbeddedStore;
@@ -54,6 +55,7 @@ fn an_earlier_runs_dhchap_protocol_is_replaced_by_auth_none() {
         let earlier = PillarProtocolSpec {
             nvme_tcp: NvmeTcp {
                 acl: true,
+                ctrl_loss_tmo: 77,
                 ..NvmeTcp::default()
             },
         };
@@ -65,8 +67,11 @@ fn an_earlier_runs_dhchap_protocol_is_replaced_by_auth_none() {
     rt.block_on(async {
         let store = EmbeddedStore::open(&store_dir).await.unwrap();
         let now = store.get_protocol("nvme-tcp").await.unwrap().unwrap();
-        assert_eq!(now.spec, pillar_local::local_protocol());
         assert_eq!(now.spec.nvme_tcp.auth, ProtocolAuth::None);
         assert!(now.spec.nvme_tcp.acl, "the ACL stays on");
+        assert_eq!(now.spec.nvme_tcp.ctrl_loss_tmo, 77, "the rest is kept");
+        let mut want = pillar_local::local_protocol();
+        want.nvme_tcp.ctrl_loss_tmo = 77;
+        assert_eq!(now.spec, want);
     });
 }
