@@ -8,8 +8,9 @@
 
 mod support;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use pillar_agent::EngineKind;
 use pillar_agent_api::v1 as api;
 use pillar_agent_api::{ErrorReason, reason_of};
 use pillar_nvmet::{ConfigfsDouble, DhchapSecret, HostNqn, TlsPsk, VolumeId};
@@ -50,6 +51,20 @@ fn grant(
             dhgroup: String::new(),
         }),
     }
+}
+
+/// An agent on `engine`, serving, with volume v1 created (u1, generation 1) and exported
+/// (generation 2); and its configfs root.
+async fn exported_v1(engine: EngineKind) -> (Agent, PathBuf) {
+    let mut a = Agent::start(engine).await;
+    a.serve_now().await;
+    let configfs = a.dirs.configfs();
+    a.client
+        .create_volume(create_req("u1", 1, "v1", 8 * MIB))
+        .await
+        .unwrap();
+    a.client.export(export("u1", 2, "v1")).await.unwrap();
+    (a, configfs)
 }
 
 fn port_attr(configfs: &Path, attr: &str) -> String {
@@ -139,14 +154,7 @@ async fn tls_without_authentication_is_a_bad_request() {
 #[tokio::test]
 async fn a_tls_export_speaks_tls_only_and_its_hosts_psks_follow_their_admission() {
     for engine in ENGINES {
-        let mut a = Agent::start(engine).await;
-        a.serve_now().await;
-        let configfs = a.dirs.configfs();
-        a.client
-            .create_volume(create_req("u1", 1, "v1", 8 * MIB))
-            .await
-            .unwrap();
-        a.client.export(export("u1", 2, "v1")).await.unwrap();
+        let (mut a, configfs) = exported_v1(engine).await;
         assert_eq!(port_attr(&configfs, "addr_tsas"), "tls1.3", "{engine:?}");
         assert_eq!(port_attr(&configfs, "addr_treq"), "required");
         // The probe port was removed again.
@@ -236,14 +244,7 @@ async fn the_tls_probe_leaves_an_export_on_its_port_id_alone() {
 #[tokio::test]
 async fn a_stale_grant_installs_no_psk() {
     for engine in ENGINES {
-        let mut a = Agent::start(engine).await;
-        a.serve_now().await;
-        let configfs = a.dirs.configfs();
-        a.client
-            .create_volume(create_req("u1", 1, "v1", 8 * MIB))
-            .await
-            .unwrap();
-        a.client.export(export("u1", 2, "v1")).await.unwrap();
+        let (mut a, configfs) = exported_v1(engine).await;
         let secret = DhchapSecret::generate().unwrap();
         a.client
             .grant_initiator(grant("u1", 3, "v1", &secret))
